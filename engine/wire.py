@@ -1,0 +1,81 @@
+"""Typed messages between the server process and the engine process.
+
+The engine sees token ids only; the server sees no tensors. Add fields only at
+the end of a struct so that both sides stay compatible.
+"""
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class EngineRequest(msgspec.Struct, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    session_id: str | None = None
+
+
+class AbortRequest(msgspec.Struct, tag="abort"):
+    request_id: str
+
+
+class SpecStats(msgspec.Struct):
+    num_drafts: int = 0  # verification rounds that carried at least one draft token
+    num_draft_tokens: int = 0  # drafted tokens sent to verification
+    num_accepted_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+class RequestOutput(msgspec.Struct):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    spec: SpecStats | None = None  # set when the request finishes
+    error: str | None = None
+
+
+class StepStats(msgspec.Struct):
+    num_running: int = 0
+    num_waiting: int = 0
+    num_offered_draft_tokens: int = 0  # drafted tokens the drafters proposed this step
+    num_verified_draft_tokens: int = 0  # of those, how many the planner sent to the forward
+    num_accepted_tokens: int = 0
+    step_seconds: float = 0.0
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs"):
+    outputs: list[RequestOutput]
+    stats: StepStats
+
+
+class EngineReady(msgspec.Struct, tag="ready"):
+    model_name: str
+    max_model_len: int
+    eos_token_ids: list[int]
+    latency_ms_by_num_tokens: dict[int, float]  # profiled forward time for n tokens
+
+
+class EngineDead(msgspec.Struct, tag="dead"):
+    reason: str
+
+
+ToEngine = EngineRequest | AbortRequest
+FromEngine = EngineOutputs | EngineReady | EngineDead
