@@ -1,0 +1,106 @@
+"""Two-turn MT-Bench / MT-Redundant benchmark: tokens/s per drafter, side by side in one run.
+
+Turn 1 is answered by the baseline; its answer goes into the history of turn 2.
+Every drafter then answers both turns; each row records its speed and whether
+its tokens equal the baseline's.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench.exactness import divergence_verdict
+from bench.lookup_cost import copyspec_lookup_cost
+from bench.report import markdown_table, plot_speedups, summarize
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def turn_prompts(tokenizer, question: dict, turn1_answer: str | None) -> list[int]:
+    messages = [{"role": "user", "content": question["turns"][0]}]
+    if turn1_answer is not None:
+        messages += [{"role": "assistant", "content": turn1_answer}, {"role": "user", "content": question["turns"][1]}]
+    return render_prompt(tokenizer, messages)
+
+
+def run_question(question: dict, runners: dict, tokenizer, reference_model, max_new_tokens: int) -> list[dict]:
+    rows = []
+    turn1_answer = None
+    for turn in (1, 2):
+        prompt = turn_prompts(tokenizer, question, turn1_answer)
+        generations = {name: runner.generate(prompt, max_new_tokens) for name, runner in runners.items()}
+        baseline = generations["none"].token_ids
+        for name, gen in generations.items():
+            verdict = divergence_verdict(reference_model, prompt, baseline, gen.token_ids)
+            rows.append(_row(question, turn, name, gen, verdict))
+        turn1_answer = tokenizer.decode(baseline, skip_special_tokens=True)
+    return rows
+
+
+def _row(question: dict, turn: int, drafter: str, gen, verdict: str) -> dict:
+    new_tokens = len(gen.token_ids)
+    return {
+        "question_id": question["question_id"], "category": question["category"], "turn": turn,
+        "drafter": drafter, "new_tokens": new_tokens, "seconds": round(gen.seconds, 4),
+        "tokens_per_s": round(new_tokens / gen.seconds, 3), "num_drafts": gen.num_drafts,
+        "drafted_tokens": gen.drafted_tokens, "accepted_tokens": gen.accepted_tokens,
+        "identical_to_baseline": verdict == "identical", "exactness": verdict,
+    }
+
+
+def run_mt_benchmark(name: str, questions: list[dict], runners: dict, tokenizer, reference_model, args, out_dir: Path) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = _load_previous_rows(out_dir) if args.resume else []
+    done = {r["question_id"] for r in rows}
+    for question in tqdm([q for q in questions if q["question_id"] not in done], desc=name):
+        rows += run_question(question, runners, tokenizer, reference_model, args.max_new_tokens)
+        write_results(name, rows, list(runners), args, out_dir, lookup_cost=None)
+    lookup = copyspec_lookup_cost(args.copy_gamma, args.copy_max_tokens)
+    return write_results(name, rows, list(runners), args, out_dir, lookup_cost=lookup)
+
+
+def _load_previous_rows(out_dir: Path) -> list[dict]:
+    path = out_dir / "results.json"
+    return json.loads(path.read_text())["rows"] if path.exists() else []
+
+
+def write_results(name: str, rows: list[dict], drafters: list[str], args, out_dir: Path, lookup_cost) -> dict:
+    summary = summarize(rows)
+    results = {
+        "benchmark": name,
+        "command": "specserve " + shlex.join(sys.argv[1:]),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "max_new_tokens": args.max_new_tokens,
+        "num_questions": len({r["question_id"] for r in rows}),
+        "copyspec_lookup_us_per_token": lookup_cost,
+        "summary": summary,
+        "rows": rows,
+    }
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    table = markdown_table(summary, drafters)
+    (out_dir / "results.md").write_text(_markdown(results, table))
+    plot_speedups(summary, drafters, out_dir / "tokens_per_s.png")
+    return results
+
+
+def _markdown(results: dict, table: str) -> str:
+    mismatches = sum(r["exactness"] == "mismatch" for r in results["rows"])
+    near_ties = sum(r["exactness"] == "near-tie" for r in results["rows"])
+    lookup = results["copyspec_lookup_us_per_token"]
+    lines = [
+        f"# {results['benchmark']}: {results['num_questions']} questions, {results['max_new_tokens']} new tokens, greedy",
+        "", f"Command: `{results['command']}`", "",
+        "Tokens/s (speedup over `none` in the same run, τ = mean acceptance length):", "", table,
+        f"Exactness: {mismatches} outputs differ from the baseline beyond a near-tie; {near_ties} diverge at a near-tie.",
+    ]
+    if lookup:
+        lines.append(f"CopySpec extend + lookup: {lookup['1000']:.2f} µs/token at a 1k context, {lookup['16000']:.2f} µs/token at 16k.")
+    return "\n".join(lines) + "\n"

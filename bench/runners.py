@@ -1,0 +1,82 @@
+"""Generators the benchmark compares: our engine per drafter, and transformers' own `generate`."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.engine import Engine
+from engine.model_loader import LoadedModel
+from engine.wire import EngineRequest, SamplingParams
+
+HF_PLD_NUM_TOKENS = 10  # prompt_lookup_num_tokens of the hf-pld peer
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    seconds: float  # wall time from submission to the last token, prefill included
+    num_drafts: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+class EngineRunner:
+    """Greedy generation through a specserve Engine, in this process."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._count = 0
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
+        self._count += 1
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        start = time.perf_counter()
+        self.engine.add_request(EngineRequest(f"bench-{self._count}", prompt_ids, params))
+        token_ids, spec = [], None
+        while self.engine.has_work:
+            for output in self.engine.step().outputs:
+                token_ids += output.new_token_ids
+                spec = output.spec or spec
+        seconds = time.perf_counter() - start
+        return Generation(token_ids, seconds, spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+
+
+class HFRunner:
+    """transformers' `generate`, greedy, optionally with prompt lookup decoding; counts its forwards."""
+
+    def __init__(self, loaded: LoadedModel, prompt_lookup: bool) -> None:
+        self.model = loaded.model
+        self.device = loaded.device
+        self.eos_token_ids = loaded.eos_token_ids
+        self.prompt_lookup = prompt_lookup
+        self._forward_lengths: list[int] = []  # [num_forwards] input tokens of each forward
+        self.model.register_forward_pre_hook(self._record_forward, with_kwargs=True)
+
+    def _record_forward(self, module, args, kwargs) -> None:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is not None:
+            self._forward_lengths.append(input_ids.shape[-1])
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
+        extra = {"prompt_lookup_num_tokens": HF_PLD_NUM_TOKENS} if self.prompt_lookup else {}
+        self._forward_lengths = []
+        input_ids = torch.tensor([prompt_ids], device=self.device)
+        start = time.perf_counter()
+        out = self.model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+            do_sample=False, eos_token_id=self.eos_token_ids, pad_token_id=self.eos_token_ids[0], **extra,
+        )
+        seconds = time.perf_counter() - start
+        token_ids = out[0, len(prompt_ids):].tolist()
+        return self._with_draft_counts(Generation(token_ids, seconds))
+
+    def _with_draft_counts(self, gen: Generation) -> Generation:
+        """Each decode forward yields its accepted candidates plus one token."""
+        decode_lengths = self._forward_lengths[1:]
+        gen.num_drafts = sum(1 for n in decode_lengths if n > 1)
+        gen.drafted_tokens = sum(n - 1 for n in decode_lengths)
+        gen.accepted_tokens = max(len(gen.token_ids) - len(self._forward_lengths), 0)
+        return gen

@@ -1,0 +1,65 @@
+"""CopySpec (Dumitru et al. 2025, §3.1-3.2): copy what followed an earlier occurrence of the last γ tokens.
+
+A hash map holds the first position of every γ-token subsequence of the request's
+context. Each accepted token adds one γ-gram (O(γ)), and each proposal is one
+lookup of the last γ tokens (O(γ)), independent of the context length.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from drafters.base import Draft, DraftableRequest
+
+
+class CopyIndex:
+    """First occurrence of every γ-gram of a growing token list."""
+
+    def __init__(self, gamma: int) -> None:
+        self.gamma = gamma
+        self.first_start: dict[tuple[int, ...], int] = {}  # γ-gram -> start position of its first occurrence
+        self.num_indexed = 0  # tokens of the list already covered
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Index the γ-grams that end at the tokens appended since the last call."""
+        gamma = self.gamma
+        for end in range(max(self.num_indexed + 1, gamma), len(token_ids) + 1):
+            self.first_start.setdefault(tuple(token_ids[end - gamma:end]), end - gamma)
+        self.num_indexed = len(token_ids)
+
+    def continuation(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """The tokens after the first earlier, non-overlapping occurrence of the last γ tokens."""
+        gamma, length = self.gamma, len(token_ids)
+        if length < 2 * gamma:
+            return []
+        start = self.first_start.get(tuple(token_ids[length - gamma:]))
+        if start is None or start + gamma > length - gamma:
+            return []
+        copy_from = start + gamma
+        return list(token_ids[copy_from:min(copy_from + max_tokens, length)])
+
+
+class CopySpecDrafter:
+    name = "copyspec"
+
+    def __init__(self, gamma: int = 3, max_tokens: int = 10) -> None:
+        self.gamma = gamma
+        self.max_tokens = max_tokens
+        self._indexes: dict[str, CopyIndex] = {}
+
+    def begin(self, req: DraftableRequest) -> None:
+        index = CopyIndex(self.gamma)
+        index.extend(req.all_token_ids)
+        self._indexes[req.request_id] = index
+
+    def extend(self, req: DraftableRequest, new_token_ids: Sequence[int]) -> None:
+        self._indexes[req.request_id].extend(req.all_token_ids)
+
+    def propose(self, reqs: Sequence[DraftableRequest]) -> list[Draft]:
+        return [self._propose_one(req) for req in reqs]
+
+    def _propose_one(self, req: DraftableRequest) -> Draft:
+        tokens = self._indexes[req.request_id].continuation(req.all_token_ids, self.max_tokens)
+        return Draft(token_ids=tokens, source=self.name)
+
+    def finish(self, req: DraftableRequest) -> None:
+        self._indexes.pop(req.request_id, None)

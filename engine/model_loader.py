@@ -1,0 +1,68 @@
+"""Loads the target model onto the configured device and dtype."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from engine.config import ModelConfig
+from engine.model_source import ModelSource, resolve_model_source
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    source: ModelSource
+    device: torch.device
+    max_model_len: int
+    eos_token_ids: list[int]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    source = resolve_model_source(config.model)
+    device = resolve_device(config.device)
+    model = AutoModelForCausalLM.from_pretrained(
+        source.path,
+        dtype=resolve_dtype(config.dtype, device),
+        attn_implementation="sdpa",
+        trust_remote_code=config.trust_remote_code,
+        **source.from_pretrained_kwargs(),
+    )
+    model.to(device).eval()
+    return LoadedModel(model, source, device, _max_model_len(model, config), _eos_token_ids(model))
+
+
+def _max_model_len(model: torch.nn.Module, config: ModelConfig) -> int:
+    own_limit = getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
+    if config.max_model_len is not None:
+        if config.max_model_len > own_limit:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit {own_limit}")
+        return config.max_model_len
+    return min(own_limit, DEFAULT_MAX_MODEL_LEN)
+
+
+def _eos_token_ids(model: torch.nn.Module) -> list[int]:
+    generation_config = getattr(model, "generation_config", None) or GenerationConfig()
+    eos = generation_config.eos_token_id
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)

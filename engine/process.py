@@ -1,0 +1,79 @@
+"""The engine process: receives requests over ZeroMQ, steps the engine, sends one outputs message per step."""
+from __future__ import annotations
+
+import logging
+import traceback
+
+import msgspec
+import zmq
+
+from engine.config import EngineConfig
+from engine.wire import AbortRequest, EngineDead, EngineOutputs, EngineRequest, RequestOutput, StepStats, ToEngine
+from scheduler.scheduler import QueueFullError
+
+logger = logging.getLogger("specserve.engine")
+
+QUEUE_FULL_PREFIX = "queue full: "
+
+
+class EngineLoop:
+    def __init__(self, config: EngineConfig, input_address: str, output_address: str) -> None:
+        self.config = config
+        self.context = zmq.Context()
+        self.inbox = self.context.socket(zmq.PULL)
+        self.inbox.connect(input_address)
+        self.outbox = self.context.socket(zmq.PUSH)
+        self.outbox.connect(output_address)
+        self.decoder = msgspec.msgpack.Decoder(ToEngine)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.engine = None
+
+    def send(self, message) -> None:
+        self.outbox.send(self.encoder.encode(message))
+
+    def run(self) -> None:
+        from engine.engine import Engine  # heavy imports happen in the child only
+
+        self.engine = Engine(self.config)
+        self.send(self.engine.ready_message())
+        while True:
+            replies = self._drain_inbox(block=not self.engine.has_work)
+            if self.engine.has_work:
+                step_outputs = self.engine.step()
+                step_outputs.outputs[:0] = replies
+                self.send(step_outputs)
+            elif replies:
+                self.send(EngineOutputs(outputs=replies, stats=StepStats()))
+
+    def _drain_inbox(self, block: bool) -> list[RequestOutput]:
+        replies = []
+        flags = 0 if block else zmq.NOBLOCK
+        while True:
+            try:
+                raw = self.inbox.recv(flags)
+            except zmq.Again:
+                return replies
+            reply = self._handle(self.decoder.decode(raw))
+            if reply is not None:
+                replies.append(reply)
+            flags = zmq.NOBLOCK
+
+    def _handle(self, message) -> RequestOutput | None:
+        if isinstance(message, AbortRequest):
+            return self.engine.abort(message.request_id)
+        try:
+            return self.engine.add_request(message)
+        except QueueFullError as exc:
+            return RequestOutput(message.request_id, [], finish_reason="error", error=QUEUE_FULL_PREFIX + str(exc))
+
+
+def run_engine_process(config: EngineConfig, input_address: str, output_address: str) -> None:
+    """Entry point of the child process; reports a fatal error before exiting."""
+    logging.basicConfig(level=logging.INFO)
+    loop = EngineLoop(config, input_address, output_address)
+    try:
+        loop.run()
+    except BaseException as exc:  # the server must learn why the engine died
+        logger.error("engine died: %s", traceback.format_exc())
+        loop.send(EngineDead(reason=f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1)

@@ -1,0 +1,80 @@
+"""`specserve serve` and `specserve bench`: flags in, one Config out."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from drafters.config import SpecConfig
+from drafters.registry import DRAFTER_NAMES
+from engine.config import DEVICES, DTYPES, EngineConfig, ModelConfig
+from scheduler.config import SchedulerConfig
+from server.config import Config, ServerConfig
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF model id, local directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", choices=DEVICES, default="auto")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length in tokens")
+    parser.add_argument("--trust-remote-code", action="store_true", help="let transformers run the model repo's own code")
+    parser.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
+    parser.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs, help="requests running at once")
+    parser.add_argument("--max-waiting", type=int, default=SchedulerConfig.max_waiting, help="queued requests before 429")
+    parser.add_argument("--no-goodput-planner", action="store_true", help="verify every drafted token")
+    parser.add_argument("--copy-gamma", type=int, default=SpecConfig.copy_gamma, help="CopySpec match length γ")
+    parser.add_argument("--copy-max-tokens", type=int, default=SpecConfig.copy_max_tokens, help="CopySpec tokens copied per match |S|")
+
+
+def engine_config_from_args(args: argparse.Namespace, drafter: str) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(args.model, args.device, args.dtype, args.max_model_len, args.trust_remote_code, args.num_threads),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting, use_goodput_planner=not args.no_goodput_planner
+        ),
+        spec=SpecConfig(drafter=drafter, copy_gamma=args.copy_gamma, copy_max_tokens=args.copy_max_tokens),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description="Lossless speculative LLM serving")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible API")
+    add_engine_flags(serve)
+    serve.add_argument("--drafter", choices=DRAFTER_NAMES, default="copyspec")
+    serve.add_argument("--host", default=ServerConfig.host)
+    serve.add_argument("--port", type=int, default=ServerConfig.port)
+    serve.add_argument("--served-model-name", default=None)
+    from bench.cli import add_bench_parser
+
+    add_bench_parser(commands, add_engine_flags)
+    return parser
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from server.app import build_app
+    from server.engine_client import EngineClient
+    from server.tokenizer import load_tokenizer
+
+    config = Config(
+        engine=engine_config_from_args(args, args.drafter),
+        server=ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name),
+    )
+    engine = EngineClient(config.engine, config.server.engine_start_timeout_s)
+    app = build_app(config, engine, load_tokenizer(config.engine.model))
+    uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="info")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        serve(args)
+    else:
+        from bench.cli import run_bench
+
+        run_bench(args, engine_config_from_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

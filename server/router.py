@@ -1,0 +1,48 @@
+"""The HTTP routes: chat and text completions, the model list, and health."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from server.chat import create_chat_completion
+from server.completions import create_completion
+from server.errors import api_error_response, engine_unavailable
+from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from server.request_body import read_request
+from server.serving import ServingContext
+
+router = APIRouter()
+
+
+def serving_context(request: Request) -> ServingContext:
+    return request.app.state.serving
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    context = serving_context(request)
+    body = await read_request(request, ChatCompletionRequest, context.config.server.max_request_bytes)
+    return await create_chat_completion(context, body, request)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    context = serving_context(request)
+    body = await read_request(request, CompletionRequest, context.config.server.max_request_bytes)
+    return await create_completion(context, body, request)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    context = serving_context(request)
+    ready = context.require_ready()
+    card = ModelCard(id=context.served_model_name(ready), max_model_len=ready.max_model_len)
+    return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    engine = serving_context(request).engine
+    if engine.ready is not None and engine.healthy:
+        return JSONResponse({"status": "ok"})
+    return api_error_response(engine_unavailable("the engine is not ready or has died"))

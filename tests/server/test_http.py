@@ -1,0 +1,198 @@
+"""Status codes and OpenAI error bodies of the HTTP layer.
+
+The engine stand-in covers only what these requests touch: readiness, health, and a
+`generate` that fails at submission (queue full, engine dead) while recording what it
+was sent. No test here generates tokens; those are the end-to-end tests.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from engine.wire import EngineReady
+from server.app import build_app
+from server.config import Config, ServerConfig
+from server.engine_client import EngineDeadError, EngineRequestError, QueueFullError
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 64
+READY = EngineReady(model_name=MODEL, max_model_len=MAX_MODEL_LEN, eos_token_ids=[2], latency_ms_by_num_tokens={})
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+
+
+class StandInEngine:
+    def __init__(self, ready: EngineReady | None = READY, healthy: bool = True, submit_error=None):
+        self.ready = ready
+        self.healthy = healthy
+        self.submit_error = submit_error
+        self.requests = []  # EngineRequests that reached generate
+        self.events = []  # "start" / "shutdown"
+
+    async def start(self):
+        self.events.append("start")
+
+    async def shutdown(self):
+        self.events.append("shutdown")
+
+    def generate(self, request):
+        self.requests.append(request)
+        return self._fail_at_submission()
+
+    async def _fail_at_submission(self):
+        raise self.submit_error or AssertionError("this test must not reach token generation")
+        yield  # an async generator, like EngineClient.generate
+
+    async def abort(self, request_id):
+        pass
+
+
+@pytest.fixture()
+def make_client(tokenizer):
+    def make(engine=None, **server_fields) -> tuple[TestClient, StandInEngine]:
+        engine = engine or StandInEngine()
+        app = build_app(Config(server=ServerConfig(**server_fields)), engine, tokenizer)
+        return TestClient(app, raise_server_exceptions=False), engine
+
+    return make
+
+
+def assert_error(response, status: int, param=None, code=None, type="invalid_request_error"):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    assert (error["type"], error["param"], error["code"]) == (type, param, code)
+    return error
+
+
+def test_invalid_json_is_400(make_client):
+    client, _ = make_client()
+    response = client.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
+    assert_error(response, 400, code="invalid_json")
+    assert_error(client.post("/v1/completions", content=b""), 400, code="invalid_json")
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", {**CHAT, "temperature": 5}, "temperature"),
+        ("/v1/chat/completions", {**CHAT, "n": 3}, "n"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ("/v1/chat/completions", [CHAT], None),
+        ("/v1/completions", {**COMPLETION, "top_p": 0}, "top_p"),
+        ("/v1/completions", {**COMPLETION, "stop": ["a"] * 5}, "stop"),
+    ],
+)
+def test_validation_errors_are_400_naming_the_field(make_client, path, body, param):
+    client, engine = make_client()
+    assert_error(client.post(path, json=body), 400, param=param)
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+def test_unknown_model_is_404(make_client, path, body):
+    client, _ = make_client()
+    error = assert_error(client.post(path, json={**body, "model": "gpt-4o"}), 404, "model", "model_not_found")
+    assert "gpt-4o" in error["message"]
+
+
+def test_served_model_name_replaces_the_model_name(make_client):
+    client, _ = make_client(served_model_name="alias")
+    assert_error(client.post("/v1/completions", json=COMPLETION), 404, "model", "model_not_found")
+    assert client.get("/v1/models").json()["data"][0]["id"] == "alias"
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", {**CHAT, "max_tokens": MAX_MODEL_LEN}, "messages"),
+        ("/v1/completions", {**COMPLETION, "max_tokens": MAX_MODEL_LEN}, "prompt"),
+        ("/v1/completions", {"prompt": [5] * MAX_MODEL_LEN}, "prompt"),  # no room left at all
+    ],
+)
+def test_prompt_plus_max_tokens_over_the_context_is_400(make_client, path, body, param):
+    client, engine = make_client()
+    error = assert_error(client.post(path, json=body), 400, param, "context_length_exceeded")
+    assert str(MAX_MODEL_LEN) in error["message"]
+    assert engine.requests == []
+
+
+def test_out_of_range_prompt_token_ids_are_400(make_client, tokenizer):
+    client, _ = make_client()
+    assert_error(client.post("/v1/completions", json={"prompt": [1, len(tokenizer)]}), 400, "prompt")
+
+
+def test_body_over_the_limit_is_413(make_client):
+    client, engine = make_client(max_request_bytes=1024)
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * 2000}]}
+    assert_error(client.post("/v1/chat/completions", json=big), 413, code="request_too_large")
+    chunks = iter([json.dumps(big).encode()[:600], json.dumps(big).encode()[600:]])
+    assert_error(client.post("/v1/chat/completions", content=chunks), 413, code="request_too_large")
+    assert engine.requests == []
+
+
+def test_unknown_route_and_wrong_method_have_openai_bodies(make_client):
+    client, _ = make_client()
+    assert_error(client.post("/v1/embeddings", json={}), 404, code="not_found")
+    response = client.get("/v1/chat/completions")
+    assert_error(response, 405, code="method_not_allowed")
+    assert "POST" in response.headers["allow"]
+
+
+def test_health_and_models_when_ready(make_client):
+    client, _ = make_client()
+    assert client.get("/health").json() == {"status": "ok"}
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [(m["id"], m["object"]) for m in models["data"]] == [(MODEL, "model")]
+
+
+@pytest.mark.parametrize("engine", [StandInEngine(ready=None, healthy=False), StandInEngine(healthy=False)])
+def test_not_ready_or_dead_engine_is_503(make_client, engine):
+    client, _ = make_client(engine)
+    assert_error(client.get("/health"), 503, code="engine_unavailable", type="server_error")
+    assert_error(client.get("/v1/models"), 503, code="engine_unavailable", type="server_error")
+    for path, body in [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)]:
+        assert_error(client.post(path, json=body), 503, code="engine_unavailable", type="server_error")
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "submit_error, status, code, type",
+    [
+        (QueueFullError("8 requests waiting"), 429, "queue_full", "rate_limit_error"),
+        (EngineDeadError("engine process exited"), 503, "engine_unavailable", "server_error"),
+        (EngineRequestError("the prompt is empty"), 400, None, "invalid_request_error"),
+    ],
+)
+def test_submission_failures_keep_their_status_when_streaming(make_client, stream, submit_error, status, code, type):
+    client, _ = make_client(StandInEngine(submit_error=submit_error))
+    assert_error(client.post("/v1/chat/completions", json={**CHAT, "stream": stream}), status, code=code, type=type)
+
+
+def test_engine_request_carries_sampling_and_session(make_client, tokenizer):
+    client, engine = make_client(StandInEngine(submit_error=QueueFullError()))
+    body = {**CHAT, "temperature": 0, "top_k": -1, "seed": 7, "stop": "x", "max_tokens": None}
+    client.post("/v1/chat/completions", json=body, headers={"X-Session-ID": "from-header"})
+    client.post("/v1/completions", json={**COMPLETION, "session_id": "from-body"}, headers={"X-Session-ID": "h"})
+    chat_request, completion_request = engine.requests
+    assert chat_request.request_id.startswith("chatcmpl-") and completion_request.request_id.startswith("cmpl-")
+    assert chat_request.prompt_token_ids == tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True
+    )["input_ids"]
+    sampling = chat_request.sampling
+    assert sampling.greedy and (sampling.top_k, sampling.seed, sampling.stop_token_ids) == (0, 7, [2])
+    assert sampling.max_tokens == MAX_MODEL_LEN - len(chat_request.prompt_token_ids)
+    assert (chat_request.session_id, completion_request.session_id) == ("from-header", "from-body")
+    assert completion_request.sampling.max_tokens == 4
+
+
+def test_lifespan_starts_and_shuts_down_the_engine(make_client):
+    client, engine = make_client()
+    with client:
+        assert engine.events == ["start"]
+    assert engine.events == ["start", "shutdown"]
