@@ -1,0 +1,21 @@
+"""Drive an Engine in-process to completion."""
+from __future__ import annotations
+
+from engine.engine import Engine
+from engine.wire import EngineRequest, RequestOutput, SamplingParams
+
+
+def run_to_completion(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, RequestOutput]:
+    """Submit all prompts at once; returns per request id the concatenated outputs and the final stats."""
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        assert engine.add_request(EngineRequest(f"req-{i}", prompt, p)) is None
+    tokens: dict[str, list[int]] = {f"req-{i}": [] for i in range(len(prompts))}
+    finals: dict[str, RequestOutput] = {}
+    while engine.has_work:
+        for output in engine.step().outputs:
+            tokens[output.request_id] += output.new_token_ids
+            if output.finish_reason:
+                finals[output.request_id] = output
+    for request_id, output in finals.items():
+        output.new_token_ids = tokens[request_id]
+    return finals

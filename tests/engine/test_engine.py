@@ -1,0 +1,102 @@
+"""The engine on a tiny random model: exactness of speculation, KV rollback, request validation."""
+import random
+
+import pytest
+import torch
+
+from bench.exactness import divergence_verdict
+from drafters.config import SpecConfig
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import Engine
+from engine.kv_cache import RequestKVCache
+from engine.wire import EngineRequest, SamplingParams
+from tests.conftest import TINY_VOCAB
+from tests.engine.helpers import run_to_completion
+
+
+def make_engine(model_dir, drafter, planner=True):
+    from scheduler.config import SchedulerConfig
+
+    return Engine(EngineConfig(
+        model=ModelConfig(model=model_dir, device="cpu"),
+        scheduler=SchedulerConfig(max_num_seqs=8, use_goodput_planner=planner),
+        spec=SpecConfig(drafter=drafter, copy_gamma=2),
+    ))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    return {
+        "none": make_engine(tiny_model_dir, "none"),
+        "copyspec": make_engine(tiny_model_dir, "copyspec", planner=False),  # verify every draft: most rejections
+        "copyspec-planned": make_engine(tiny_model_dir, "copyspec"),
+    }
+
+
+def prompts(num, seed=0):
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(5, 40))] * 2 for _ in range(num)]
+
+
+def test_greedy_speculation_equals_plain_decoding(engines):
+    batch = prompts(6)
+    params = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)] * len(batch)
+    reference = run_to_completion(engines["none"], batch, params)
+    model = engines["none"].runner.model
+    for name in ("copyspec", "copyspec-planned"):
+        outputs = run_to_completion(engines[name], batch, params)
+        for i, prompt in enumerate(batch):
+            ref, out = reference[f"req-{i}"].new_token_ids, outputs[f"req-{i}"].new_token_ids
+            assert divergence_verdict(model, prompt, ref, out) != "mismatch", (name, i)
+    drafted = sum(o.spec.num_draft_tokens for o in run_to_completion(engines["copyspec"], batch, params).values())
+    assert drafted > 0, "the test must exercise speculation"
+
+
+def test_requests_in_flight_all_progress_and_match_alone(engines):
+    batch = prompts(4, seed=1)
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * len(batch)
+    together = run_to_completion(engines["copyspec-planned"], batch, params)
+    for i, prompt in enumerate(batch):
+        alone = run_to_completion(engines["copyspec-planned"], [prompt], params[:1])["req-0"]
+        assert alone.new_token_ids == together[f"req-{i}"].new_token_ids
+
+
+def test_rolled_back_cache_matches_a_fresh_one(engines):
+    runner = engines["none"].runner
+    tokens = prompts(1, seed=3)[0]
+    rolled, fresh = RequestKVCache(), RequestKVCache()
+    runner.forward_tokens(rolled, tokens + [5, 6, 7], num_logits=1)
+    rolled.truncate(len(tokens))
+    after_rollback = runner.forward_tokens(rolled, [9], num_logits=1)
+    expected = runner.forward_tokens(fresh, tokens + [9], num_logits=1)
+    torch.testing.assert_close(after_rollback, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError):
+        rolled.truncate(rolled.num_tokens + 1)
+
+
+@pytest.mark.parametrize(
+    "prompt, max_tokens, message",
+    [
+        ([], 5, "empty"),
+        ([1, TINY_VOCAB + 3], 5, "token ids"),
+        ([1, -1], 5, "token ids"),
+        ([1] * 2000, 5, "context"),
+        ([1, 2], 0, "max_tokens"),
+    ],
+)
+def test_bad_requests_get_an_error_output_and_the_engine_goes_on(engines, prompt, max_tokens, message):
+    engine = engines["none"]
+    error = engine.add_request(EngineRequest("bad", prompt, SamplingParams(max_tokens=max_tokens)))
+    assert error.finish_reason == "error" and message in error.error
+    ok = run_to_completion(engine, [[1, 5, 6]], [SamplingParams(temperature=0.0, max_tokens=3)])
+    assert len(ok["req-0"].new_token_ids) >= 1
+
+
+def test_abort_frees_the_request(engines):
+    engine = engines["copyspec-planned"]
+    engine.add_request(EngineRequest("gone", [1, 5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True)))
+    engine.step()
+    assert "gone" in engine.runner.caches
+    assert engine.abort("gone").finish_reason == "abort"
+    assert "gone" not in engine.runner.caches and not engine.has_work
+    assert engine.abort("gone") is None

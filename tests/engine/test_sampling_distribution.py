@@ -1,0 +1,68 @@
+"""Sampling with speculation must draw from the same distribution as plain sampling (chi-square)."""
+from collections import Counter
+
+import pytest
+from scipy.stats import chi2_contingency
+
+from drafters.base import Draft
+from drafters.config import SpecConfig
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import Engine
+from engine.wire import SamplingParams
+from scheduler.config import SchedulerConfig
+from tests.engine.helpers import run_to_completion
+
+NUM_SAMPLES = 1500
+PROMPT = [1, 7, 8, 9, 7, 8]
+
+
+class FixedDrafter:
+    """Always drafts the same tokens: a point-mass drafter whose drafts are often rejected."""
+
+    name = "fixed"
+
+    def __init__(self, token_ids):
+        self.token_ids = token_ids
+
+    def begin(self, req):
+        pass
+
+    def extend(self, req, new_token_ids):
+        pass
+
+    def propose(self, reqs):
+        return [Draft(list(self.token_ids), self.name) for _ in reqs]
+
+    def finish(self, req):
+        pass
+
+
+def sample_pairs(engine, params):
+    """Counts of (2nd, 3rd) generated token, the positions the drafter speculates on; accepted drafts."""
+    outputs = run_to_completion(engine, [PROMPT] * NUM_SAMPLES, [params] * NUM_SAMPLES)
+    num_accepted = sum(o.spec.num_accepted_tokens for o in outputs.values())
+    return Counter(tuple(o.new_token_ids[1:3]) for o in outputs.values()), num_accepted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
+    SamplingParams(temperature=0.7, top_k=6, top_p=0.9, max_tokens=3, ignore_eos=True),
+])
+def test_speculative_sampling_matches_plain_sampling(tiny_model_dir, params):
+    config = EngineConfig(
+        model=ModelConfig(model=tiny_model_dir, device="cpu"),
+        scheduler=SchedulerConfig(max_num_seqs=NUM_SAMPLES, max_waiting=NUM_SAMPLES, use_goodput_planner=False),
+        spec=SpecConfig(drafter="none"),
+    )
+    plain_engine, spec_engine = Engine(config), Engine(config)
+    plain, _ = sample_pairs(plain_engine, params)
+    (second, third), _ = plain.most_common(1)[0]
+    spec_engine.drafter = FixedDrafter([second, third])  # accepted often, rejected often: both paths run
+    speculative, num_accepted = sample_pairs(spec_engine, params)
+    assert 20 <= num_accepted < NUM_SAMPLES  # both the accept and the reject path ran
+    keys = sorted(set(plain) | set(speculative))
+    table = [[plain.get(k, 0) for k in keys], [speculative.get(k, 0) for k in keys]]
+    table = [list(col) for col in zip(*table) if sum(col) >= 5]  # drop cells too sparse for chi-square
+    result = chi2_contingency(list(zip(*table)))
+    assert result.pvalue > 1e-3, result

@@ -1,0 +1,108 @@
+import pytest
+
+from drafters.base import Draft
+from engine.wire import SamplingParams
+from scheduler.config import SchedulerConfig
+from scheduler.latency import LatencyModel
+from scheduler.request import Request
+from scheduler.scheduler import QueueFullError, Scheduler
+
+EOS = 2
+
+
+def make_scheduler(planner=False, max_waiting=8, max_model_len=64):
+    latency = LatencyModel({1: 1.0, 16: 1.0}) if planner else None  # flat latency: drafts are free
+    config = SchedulerConfig(max_num_seqs=2, max_waiting=max_waiting, use_goodput_planner=planner)
+    return Scheduler(config, max_model_len, [EOS], latency)
+
+
+def add(scheduler, request_id="r", prompt=(5, 6, 7), max_tokens=10, ignore_eos=False):
+    req = Request(request_id, list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos))
+    scheduler.add_request(req)
+    return req
+
+
+def test_prefill_then_decode_with_drafts_keeps_computed_tokens_in_step():
+    scheduler = make_scheduler()
+    req = add(scheduler)
+    out = scheduler.schedule()
+    assert out.scheduled[0].input_token_ids == [5, 6, 7] and out.scheduled[0].num_draft_tokens == 0
+    scheduler.update(out, [[8]])
+    assert req.all_token_ids == [5, 6, 7, 8] and req.num_computed_tokens == 3
+    scheduler.set_drafts([req], [Draft([9, 10, 11], "copyspec")])
+    out = scheduler.schedule()
+    assert out.scheduled[0].input_token_ids == [8, 9, 10, 11]
+    assert out.scheduled[0].draft_token_ids == [9, 10, 11]
+    outputs, stats = scheduler.update(out, [[9, 12]])  # first draft accepted, then the bonus token
+    assert outputs[0].new_token_ids == [9, 12]
+    assert req.num_computed_tokens == 5  # 8 and 9 are in the cache; 12 is not yet
+    assert (req.spec.num_drafts, req.spec.num_draft_tokens, req.spec.num_accepted_tokens) == (1, 3, 1)
+    assert (stats.num_offered_draft_tokens, stats.num_verified_draft_tokens, stats.num_accepted_tokens) == (3, 3, 1)
+
+
+def test_drafts_are_cut_to_the_tokens_left():
+    scheduler = make_scheduler()
+    req = add(scheduler, max_tokens=3)
+    scheduler.update(scheduler.schedule(), [[8]])
+    scheduler.set_drafts([req], [Draft([1, 1, 1, 1], "copyspec")])
+    assert scheduler.schedule().scheduled[0].num_draft_tokens == 1  # 2 tokens left: 1 draft + 1 bonus
+
+
+def test_stops_at_eos_and_drops_tokens_after_it():
+    scheduler = make_scheduler()
+    req = add(scheduler)
+    scheduler.update(scheduler.schedule(), [[8]])
+    scheduler.set_drafts([req], [Draft([EOS, 9], "copyspec")])
+    outputs, _ = scheduler.update(scheduler.schedule(), [[EOS, 9, 4]])
+    assert outputs[0].new_token_ids == [EOS]
+    assert outputs[0].finish_reason == "stop" and outputs[0].spec is not None
+    assert not scheduler.has_work
+
+
+def test_ignore_eos_and_max_tokens_give_length():
+    scheduler = make_scheduler()
+    add(scheduler, max_tokens=2, ignore_eos=True)
+    scheduler.update(scheduler.schedule(), [[EOS]])
+    outputs, _ = scheduler.update(scheduler.schedule(), [[EOS]])
+    assert outputs[0].finish_reason == "length"
+
+
+def test_context_limit_gives_length():
+    scheduler = make_scheduler(max_model_len=4)
+    add(scheduler, max_tokens=100)
+    outputs, _ = scheduler.update(scheduler.schedule(), [[8]])
+    assert outputs[0].finish_reason == "length"
+
+
+def test_queue_bound_and_abort():
+    scheduler = make_scheduler(max_waiting=1)
+    add(scheduler, "a")
+    with pytest.raises(QueueFullError):
+        add(scheduler, "b")
+    assert scheduler.abort("a").finish_reason == "abort"
+    assert scheduler.abort("a") is None
+    assert not scheduler.has_work
+
+
+def test_running_is_bounded_and_waiting_requests_join_when_one_finishes():
+    scheduler = make_scheduler()
+    for name in "abc":
+        add(scheduler, name, max_tokens=1)
+    out = scheduler.schedule()
+    assert [item.req.request_id for item in out.scheduled] == ["a", "b"]
+    scheduler.update(out, [[8], [8]])
+    assert [item.req.request_id for item in scheduler.schedule().scheduled] == ["c"]
+
+
+def test_planner_drops_drafts_that_will_fail():
+    scheduler = make_scheduler(planner=True)
+    req = add(scheduler, max_tokens=100)
+    scheduler.update(scheduler.schedule(), [[8]])
+    for _ in range(30):  # every draft is rejected at its first token
+        scheduler.set_drafts([req], [Draft([1, 1, 1], "copyspec")])
+        out = scheduler.schedule()
+        scheduler.update(out, [[3]])
+    scheduler.set_drafts([req], [Draft([1, 1, 1], "copyspec")])
+    latency = LatencyModel({1: 1.0, 2: 1.5, 4: 2.5})
+    scheduler.latency = latency
+    assert scheduler.schedule().scheduled[0].num_draft_tokens == 0
