@@ -48,7 +48,7 @@ class RequestOutput(msgspec.Struct):
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int = 0
-    spec: SpecStats | None = None  # set when the request finishes
+    spec: SpecStats | None = None  # the request's running speculative totals
     error: str | None = None
 
 

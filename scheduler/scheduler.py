@@ -140,7 +140,7 @@ class Scheduler:
             new_token_ids=new_token_ids,
             finish_reason=req.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens,
-            spec=req.spec if req.is_finished else None,
+            spec=req.spec,  # running totals, so a request closed early still reports them
         )
 
     def _record_speculation(self, item: ScheduledRequest, num_accepted: int) -> None:

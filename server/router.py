@@ -44,5 +44,6 @@ async def list_models(request: Request) -> JSONResponse:
 async def health(request: Request) -> JSONResponse:
     engine = serving_context(request).engine
     if engine.ready is not None and engine.healthy:
-        return JSONResponse({"status": "ok"})
+        stats = engine.last_step_stats
+        return JSONResponse({"status": "ok", "num_running": stats.num_running, "num_waiting": stats.num_waiting})
     return api_error_response(engine_unavailable("the engine is not ready or has died"))

@@ -11,7 +11,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.wire import EngineReady
+from engine.wire import EngineReady, StepStats
 from server.app import build_app
 from server.config import Config, ServerConfig
 from server.engine_client import EngineDeadError, EngineRequestError, QueueFullError
@@ -30,6 +30,7 @@ class StandInEngine:
         self.submit_error = submit_error
         self.requests = []  # EngineRequests that reached generate
         self.events = []  # "start" / "shutdown"
+        self.last_step_stats = StepStats(num_running=2, num_waiting=1)
 
     async def start(self):
         self.events.append("start")
@@ -144,7 +145,7 @@ def test_unknown_route_and_wrong_method_have_openai_bodies(make_client):
 
 def test_health_and_models_when_ready(make_client):
     client, _ = make_client()
-    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/health").json() == {"status": "ok", "num_running": 2, "num_waiting": 1}
     models = client.get("/v1/models").json()
     assert models["object"] == "list"
     assert [(m["id"], m["object"]) for m in models["data"]] == [(MODEL, "model")]
