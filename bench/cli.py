@@ -20,6 +20,14 @@ def add_bench_parser(commands, add_engine_flags) -> None:
     bench.add_argument("--out", type=Path, default=None, help="output folder (default bench/results/NAME)")
     bench.add_argument("--data-dir", type=Path, default=None, help="folder with the benchmark .jsonl files")
     bench.add_argument("--resume", action="store_true", help="keep rows already in OUT/results.json")
+    bench.add_argument("--peer-turns", type=parse_turns, default=(1, 2), help="turns the hf-* peers answer, e.g. 2")
+
+
+def parse_turns(text: str) -> tuple[int, ...]:
+    turns = tuple(int(t) for t in text.split(","))
+    if not set(turns) <= {1, 2}:
+        raise argparse.ArgumentTypeError("turns are 1 and/or 2")
+    return turns
 
 
 def parse_drafters(text: str) -> list[str]:

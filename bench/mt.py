@@ -31,12 +31,20 @@ def turn_prompts(tokenizer, question: dict, turn1_answer: str | None) -> list[in
     return render_prompt(tokenizer, messages)
 
 
-def run_question(question: dict, runners: dict, tokenizer, reference_model, max_new_tokens: int) -> list[dict]:
+def warm_up(runners: dict, tokenizer) -> None:
+    """One short untimed generation per runner, so one-off costs stay out of the measurements."""
+    prompt = render_prompt(tokenizer, [{"role": "user", "content": "Say hello."}])
+    for runner in runners.values():
+        runner.generate(prompt, 16)
+
+
+def run_question(question: dict, runners: dict, tokenizer, reference_model, args) -> list[dict]:
     rows = []
     turn1_answer = None
     for turn in (1, 2):
         prompt = turn_prompts(tokenizer, question, turn1_answer)
-        generations = {name: runner.generate(prompt, max_new_tokens) for name, runner in runners.items()}
+        names = [n for n in runners if not n.startswith("hf-") or turn in args.peer_turns]
+        generations = {name: runners[name].generate(prompt, args.max_new_tokens) for name in names}
         baseline = generations["none"].token_ids
         for name, gen in generations.items():
             verdict = divergence_verdict(reference_model, prompt, baseline, gen.token_ids)
@@ -60,11 +68,22 @@ def run_mt_benchmark(name: str, questions: list[dict], runners: dict, tokenizer,
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = _load_previous_rows(out_dir) if args.resume else []
     done = {r["question_id"] for r in rows}
-    for question in tqdm([q for q in questions if q["question_id"] not in done], desc=name):
-        rows += run_question(question, runners, tokenizer, reference_model, args.max_new_tokens)
+    warm_up(runners, tokenizer)
+    for question in tqdm([q for q in interleave_categories(questions) if q["question_id"] not in done], desc=name):
+        rows += run_question(question, runners, tokenizer, reference_model, args)
         write_results(name, rows, list(runners), args, out_dir, lookup_cost=None)
     lookup = copyspec_lookup_cost(args.copy_gamma, args.copy_max_tokens)
     return write_results(name, rows, list(runners), args, out_dir, lookup_cost=lookup)
+
+
+def interleave_categories(questions: list[dict]) -> list[dict]:
+    """First question of every category, then the second, ...: a run cut short still covers them all."""
+    rank: dict[str, int] = {}
+    keyed = []
+    for position, question in enumerate(questions):
+        rank[question["category"]] = rank.get(question["category"], -1) + 1
+        keyed.append((rank[question["category"]], position, question))
+    return [question for *_, question in sorted(keyed, key=lambda item: item[:2])]
 
 
 def _load_previous_rows(out_dir: Path) -> list[dict]:
