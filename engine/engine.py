@@ -28,7 +28,7 @@ class Engine:
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = loaded.model.config.vocab_size
         self.runner = ModelRunner(loaded)
-        self.latency_profile = profile_forward_latency(self.runner, self.vocab_size)  # seconds by num tokens
+        self.latency_profile = profile_forward_latency(self.runner, self.vocab_size, self.max_model_len)  # s by num tokens
         self.scheduler = Scheduler(
             config.scheduler, self.max_model_len, self.eos_token_ids, LatencyModel(self.latency_profile)
         )

@@ -15,10 +15,11 @@ PROFILE_REPEATS = 5
 
 
 @torch.inference_mode()
-def profile_forward_latency(runner: ModelRunner, vocab_size: int) -> dict[int, float]:
+def profile_forward_latency(runner: ModelRunner, vocab_size: int, max_model_len: int) -> dict[int, float]:
     """Median seconds of a forward over n new tokens after a fixed context, for each profiled n."""
+    context_len = min(PROFILE_CONTEXT_LEN, max_model_len - max(PROFILE_TOKEN_COUNTS))
     generator = torch.Generator().manual_seed(0)
-    context = torch.randint(0, vocab_size, (PROFILE_CONTEXT_LEN,), generator=generator).tolist()
+    context = torch.randint(0, vocab_size, (context_len,), generator=generator).tolist()
     cache = RequestKVCache()
     runner.forward_tokens(cache, context, num_logits=1)
     result = {}
@@ -26,7 +27,7 @@ def profile_forward_latency(runner: ModelRunner, vocab_size: int) -> dict[int, f
         tokens = context[:num_tokens]
         timings = []  # seconds
         for _ in range(PROFILE_REPEATS):
-            cache.truncate(PROFILE_CONTEXT_LEN)
+            cache.truncate(context_len)
             start = time.perf_counter()
             runner.forward_tokens(cache, tokens, num_logits=num_tokens)
             _synchronize(runner.device)

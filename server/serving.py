@@ -110,7 +110,6 @@ def build_sampling_params(body: SamplingFields, max_tokens: int, ready: EngineRe
         top_k=top_k,
         seed=body.seed,
         max_tokens=max_tokens,
-        stop_token_ids=list(ready.eos_token_ids),
         ignore_eos=body.ignore_eos,
     )
 

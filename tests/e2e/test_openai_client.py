@@ -104,3 +104,11 @@ def test_openai_client_raises_typed_errors(client):
     with pytest.raises(openai.BadRequestError):
         chat(client, temperature=-1)
     assert chat(client, max_tokens=3).choices[0].message.content  # and the server still serves
+
+
+def test_ignore_eos_generates_exactly_max_tokens(client):
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    short = chat(client, messages=question, max_tokens=40)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 40
+    longer = chat(client, messages=question, max_tokens=40, extra_body={"ignore_eos": True})
+    assert longer.choices[0].finish_reason == "length" and longer.usage.completion_tokens == 40

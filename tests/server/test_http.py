@@ -186,7 +186,7 @@ def test_engine_request_carries_sampling_and_session(make_client, tokenizer):
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True
     )["input_ids"]
     sampling = chat_request.sampling
-    assert sampling.greedy and (sampling.top_k, sampling.seed, sampling.stop_token_ids) == (0, 7, [2])
+    assert sampling.greedy and (sampling.top_k, sampling.seed, sampling.stop_token_ids) == (0, 7, [])  # the engine owns EOS
     assert sampling.max_tokens == MAX_MODEL_LEN - len(chat_request.prompt_token_ids)
     assert (chat_request.session_id, completion_request.session_id) == ("from-header", "from-body")
     assert completion_request.sampling.max_tokens == 4
