@@ -1,11 +1,15 @@
 """The FastAPI application: routes, error handlers, shared state and the engine's lifetime."""
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+
+logger = logging.getLogger("specserve.server")
 
 from server.config import Config
 from server.engine_client import EngineClient
@@ -15,14 +19,19 @@ from server.serving import ServingContext
 
 
 def build_app(config: Config, engine: EngineClient, tokenizer: Any) -> FastAPI:
-    """The app; its lifespan starts the engine (awaiting its ready message) and shuts it down."""
+    """The app; its lifespan starts the engine in the background and shuts it down.
+
+    The server listens at once: /health and every endpoint answer 503 until the
+    engine's ready message arrives, and again if the engine dies.
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await engine.start()
+        starting = asyncio.create_task(start_engine(engine))
         try:
             yield
         finally:
+            starting.cancel()
             await engine.shutdown()
 
     app = FastAPI(title="specserve", lifespan=lifespan)
@@ -30,3 +39,12 @@ def build_app(config: Config, engine: EngineClient, tokenizer: Any) -> FastAPI:
     install_error_handlers(app)
     app.include_router(router)
     return app
+
+
+async def start_engine(engine: EngineClient) -> None:
+    """Start the engine; a failure leaves it dead with its reason, which /health reports."""
+    try:
+        await engine.start()
+        logger.info("engine ready: the server takes traffic")
+    except Exception as exc:
+        logger.error("the engine failed to start: %s", exc)

@@ -66,7 +66,10 @@ class EngineClient:
         self._process.start()
         asyncio.get_running_loop().add_reader(self._process.sentinel, self._on_process_exit)
         self._reader = asyncio.create_task(self._read_outputs())
-        await asyncio.wait_for(self._ready_or_dead.wait(), self.start_timeout_s)
+        try:
+            await asyncio.wait_for(self._ready_or_dead.wait(), self.start_timeout_s)
+        except asyncio.TimeoutError:
+            self._mark_dead(f"no ready message within {self.start_timeout_s} s")
         if not self.healthy:
             raise EngineDeadError(f"the engine failed to start: {self.dead_reason}")
 

@@ -46,4 +46,5 @@ async def health(request: Request) -> JSONResponse:
     if engine.ready is not None and engine.healthy:
         stats = engine.last_step_stats
         return JSONResponse({"status": "ok", "num_running": stats.num_running, "num_waiting": stats.num_waiting})
-    return api_error_response(engine_unavailable("the engine is not ready or has died"))
+    reason = engine.dead_reason or "the engine is still starting"
+    return api_error_response(engine_unavailable(f"the engine is not ready: {reason}"))

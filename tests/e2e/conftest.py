@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -21,6 +21,7 @@ class RunningServer:
     process: subprocess.Popen
     base_url: str
     log_path: Path
+    health_statuses: list[int] = field(default_factory=list)  # /health answers seen while starting
 
     @property
     def api_url(self) -> str:
@@ -50,7 +51,8 @@ def wait_until_healthy(server: RunningServer, deadline_s: float = STARTUP_DEADLI
         if server.process.poll() is not None:
             raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()}")
         try:
-            if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
+            server.health_statuses.append(httpx.get(server.base_url + "/health", timeout=2).status_code)
+            if server.health_statuses[-1] == 200:
                 return
         except httpx.TransportError:
             pass

@@ -44,6 +44,7 @@ def test_client_disconnect_mid_stream_aborts_the_request(server):
 def test_engine_crash_turns_health_red_and_fails_in_flight_requests(tmp_path):
     server = start_server(tmp_path, "--drafter", "none")
     try:
+        assert server.health_statuses[0] == 503, "the server listens while the engine loads, and says so"
         with httpx.stream("POST", server.api_url + "/chat/completions", json=LONG_REQUEST, timeout=60) as response:
             lines = response.iter_lines()
             next(lines)
@@ -56,3 +57,15 @@ def test_engine_crash_turns_health_red_and_fails_in_flight_requests(tmp_path):
         assert after.status_code == 503 and after.json()["error"]["type"]
     finally:
         stop_server(server)
+
+
+def test_a_missing_model_file_stops_the_server_with_a_clear_message(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", "--model", str(tmp_path / "missing.gguf")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode != 0
+    assert "GGUF file not found" in result.stderr

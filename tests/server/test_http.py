@@ -31,6 +31,7 @@ class StandInEngine:
         self.requests = []  # EngineRequests that reached generate
         self.events = []  # "start" / "shutdown"
         self.last_step_stats = StepStats(num_running=2, num_waiting=1)
+        self.dead_reason = None if healthy else "killed by the test"
 
     async def start(self):
         self.events.append("start")
