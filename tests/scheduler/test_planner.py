@@ -1,7 +1,7 @@
 import pytest
 
 from scheduler.latency import LatencyModel
-from scheduler.planner import best_num_draft_tokens, expected_tokens
+from scheduler.planner import _greedy_order, best_num_draft_tokens, expected_tokens, plan_verification
 
 CPU_LIKE = LatencyModel({1: 0.069, 2: 0.072, 4: 0.080, 11: 0.134, 16: 0.150})  # seconds, the CPU figures
 
@@ -32,3 +32,29 @@ def test_latency_model_interpolates_and_never_decreases():
     assert model(7) >= model(5)
     with pytest.raises(ValueError):
         LatencyModel({})
+
+
+def test_batch_plan_takes_the_best_tokens_from_any_request():
+    latency = LatencyModel({1: 1.0, 4: 1.0, 8: 2.0})  # 4 tokens cost the same as 1; 8 cost double
+    plan = plan_verification([[0.9, 0.9, 0.9], [0.1, 0.1], [0.95]], num_base_tokens=3, num_base_expected=3.0, latency=latency)
+    assert plan == [0, 0, 1]  # one free slot: the most likely token wins
+
+
+def test_batch_plan_verifies_everything_when_the_forward_is_flat_and_nothing_when_steep():
+    acceptance = [[0.6, 0.5], [0.7]]
+    flat = LatencyModel({1: 1.0, 100: 1.0})
+    steep = LatencyModel({1: 1.0, 2: 2.0, 100: 100.0})
+    assert plan_verification(acceptance, 2, 2.0, flat) == [2, 1]
+    assert plan_verification(acceptance, 2, 2.0, steep) == [0, 0]
+
+
+def test_greedy_order_keeps_order_within_a_request():
+    order = _greedy_order([[0.2, 0.99, 0.99], [0.5]])
+    assert [request for _, request in order] == [1, 0, 0, 0]
+    assert [gain for gain, _ in order] == pytest.approx([0.5, 0.2, 0.198, 0.19602])
+
+
+def test_single_request_plan_is_the_batch_plan_of_one():
+    latency = LatencyModel({1: 0.069, 2: 0.072, 11: 0.134})
+    acceptance = [0.8, 0.7, 0.6, 0.2]
+    assert best_num_draft_tokens(acceptance, latency) == plan_verification([acceptance], 1, 1.0, latency)[0]
