@@ -1,0 +1,54 @@
+"""A packed, ragged forward over the paged pool gives each request the logits of its own forward."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.kv_cache import RequestKVCache
+from engine.packed_runner import PackedModelRunner
+from engine.paged_attention import PagedKVPool
+from scheduler.kv_blocks import KVBlockManager
+
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir):
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa").eval()
+    packed = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    config = packed.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    pool = PagedKVPool(config.num_hidden_layers, 64 * BLOCK_SIZE, config.num_key_value_heads, head_dim, torch.float32, torch.device("cpu"))
+    return reference, PackedModelRunner(packed, torch.device("cpu"), pool)
+
+
+def reference_logits(model, cache, token_ids, num_logits):
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([token_ids]), past_key_values=cache, use_cache=True, logits_to_keep=num_logits)
+    return out.logits[0]
+
+
+def test_packed_steps_match_per_request_forwards_through_prefill_drafts_and_rollback(models):
+    reference, runner = models
+    blocks = KVBlockManager(num_blocks=64, block_size=BLOCK_SIZE)
+    prompts = {"a": [1, 5, 9, 13, 7, 3, 22], "b": [1, 30, 31], "c": [1] + list(range(10, 28))}
+    caches = {name: RequestKVCache() for name in prompts}
+    computed = {name: 0 for name in prompts}
+
+    def step(new_tokens, num_logits):
+        items = []
+        for name, ids in new_tokens.items():
+            blocks.grow(name, computed[name] + len(ids))
+            items.append((name, ids, computed[name], num_logits[name]))
+        got = runner.execute(items, blocks)
+        for (name, ids), logits in zip(new_tokens.items(), got):
+            caches[name].truncate(computed[name])
+            expected = reference_logits(reference, caches[name], ids, num_logits[name])
+            torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+            computed[name] += len(ids)
+
+    step(prompts, {"a": 1, "b": 1, "c": 1})  # ragged prefill
+    step({"a": [4, 8, 12], "b": [6], "c": [2, 2]}, {"a": 3, "b": 1, "c": 2})  # last token + drafts
+    for name, keep in (("a", 1), ("c", 2)):  # rejected drafts: roll back
+        computed[name] -= keep
+        blocks.shrink(name, computed[name])
+    step({"a": [40, 41], "b": [7, 8, 9, 10, 11], "c": [3]}, {"a": 2, "b": 5, "c": 1})
