@@ -14,7 +14,7 @@ logger = logging.getLogger("specserve.server")
 from server.config import Config
 from server.engine_client import EngineClient
 from server.errors import install_error_handlers
-from server.router import router
+from server.router import api_router, router
 from server.serving import ServingContext
 
 
@@ -38,6 +38,7 @@ def build_app(config: Config, engine: EngineClient, tokenizer: Any) -> FastAPI:
     app.state.serving = ServingContext(config, engine, tokenizer)
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(api_router)
     return app
 
 

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from drafters.config import SpecConfig
 from drafters.registry import DRAFTER_NAMES
 from engine.config import DEVICES, DTYPES, EngineConfig, ModelConfig
 from scheduler.config import SchedulerConfig
+from server.auth import API_KEY_ENV
 from server.config import Config, ServerConfig
 
 
@@ -44,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=ServerConfig.host)
     serve.add_argument("--port", type=int, default=ServerConfig.port)
     serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=f"require this bearer key on /v1 (default: ${API_KEY_ENV})")
     from bench.cli import add_bench_parser
 
     add_bench_parser(commands, add_engine_flags)
@@ -59,7 +62,9 @@ def serve(args: argparse.Namespace) -> None:
 
     config = Config(
         engine=engine_config_from_args(args, args.drafter),
-        server=ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name),
+        server=ServerConfig(
+            host=args.host, port=args.port, served_model_name=args.served_model_name, api_key=args.api_key or None
+        ),
     )
     engine = EngineClient(config.engine, config.server.engine_start_timeout_s)
     app = build_app(config, engine, load_tokenizer(config.engine.model))

@@ -13,8 +13,11 @@ class ServerConfig:
     served_model_name: str | None = None  # None = the model's own name
     engine_start_timeout_s: float = 600.0  # seconds to wait for the engine's ready message
     max_request_bytes: int = 4 * 1024 * 1024
+    api_key: str | None = None  # None: no authentication
 
     def __post_init__(self) -> None:
+        if self.api_key == "":
+            raise ValueError("an empty API key would accept anyone; leave it unset instead")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")
 

@@ -1,9 +1,10 @@
 """The HTTP routes: chat and text completions, the model list, and health."""
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from server.auth import require_api_key
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.errors import api_error_response, engine_unavailable
@@ -11,28 +12,29 @@ from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard,
 from server.request_body import read_request
 from server.serving import ServingContext
 
-router = APIRouter()
+router = APIRouter()  # public: health
+api_router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])  # the OpenAI API
 
 
 def serving_context(request: Request) -> ServingContext:
     return request.app.state.serving
 
 
-@router.post("/v1/chat/completions")
+@api_router.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
     context = serving_context(request)
     body = await read_request(request, ChatCompletionRequest, context.config.server.max_request_bytes)
     return await create_chat_completion(context, body, request)
 
 
-@router.post("/v1/completions")
+@api_router.post("/completions")
 async def completions(request: Request) -> Response:
     context = serving_context(request)
     body = await read_request(request, CompletionRequest, context.config.server.max_request_bytes)
     return await create_completion(context, body, request)
 
 
-@router.get("/v1/models")
+@api_router.get("/models")
 async def list_models(request: Request) -> JSONResponse:
     context = serving_context(request)
     ready = context.require_ready()
