@@ -52,6 +52,15 @@ class RequestOutput(msgspec.Struct):
     error: str | None = None
 
 
+class DraftStepStats(msgspec.Struct):
+    """One drafter's speculation in one step."""
+
+    num_drafts: int = 0  # requests that verified at least one of its drafted tokens
+    num_draft_tokens: int = 0  # its drafted tokens that were verified
+    num_accepted_tokens: int = 0
+    num_accepted_per_position: list[int] = []  # [max verified position] accepted tokens at draft position i
+
+
 class StepStats(msgspec.Struct):
     num_running: int = 0
     num_waiting: int = 0
@@ -59,6 +68,7 @@ class StepStats(msgspec.Struct):
     num_verified_draft_tokens: int = 0  # of those, how many the planner sent to the forward
     num_accepted_tokens: int = 0
     step_seconds: float = 0.0
+    spec_by_drafter: dict[str, DraftStepStats] = {}
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):

@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from drafters.base import Draft
-from engine.wire import RequestOutput, StepStats
+from engine.wire import DraftStepStats, RequestOutput, StepStats
 from scheduler.acceptance import AcceptanceEstimator, PositionalAcceptance
 from scheduler.config import SchedulerConfig
 from scheduler.latency import LatencyModel
@@ -115,17 +115,16 @@ class Scheduler:
     # --- after verification ----------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> tuple[list[RequestOutput], StepStats]:
         """Append each request's accepted drafts plus its bonus token; finish requests that stop."""
-        outputs, num_accepted = [], 0
-        for item, token_ids in zip(out.scheduled, sampled):
-            num_accepted += len(token_ids) - 1
-            outputs.append(self._update_one(item, token_ids))
+        spec_by_drafter = _spec_step_stats(out.scheduled, sampled)
+        outputs = [self._update_one(item, token_ids) for item, token_ids in zip(out.scheduled, sampled)]
         self.running = [req for req in self.running if not req.is_finished]
         stats = StepStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_offered_draft_tokens=out.num_offered_draft_tokens,
             num_verified_draft_tokens=out.num_verified_draft_tokens,
-            num_accepted_tokens=num_accepted,
+            num_accepted_tokens=sum(s.num_accepted_tokens for s in spec_by_drafter.values()),
+            spec_by_drafter=spec_by_drafter,
         )
         return outputs, stats
 
@@ -175,3 +174,21 @@ class Scheduler:
     def _finish(self, req: Request, reason: str) -> None:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+
+
+def _spec_step_stats(scheduled: list[ScheduledRequest], sampled: list[list[int]]) -> dict[str, DraftStepStats]:
+    """Per drafter: how many drafted tokens were verified and accepted this step, and at which positions."""
+    by_drafter: dict[str, DraftStepStats] = {}
+    for item, token_ids in zip(scheduled, sampled):
+        if item.num_draft_tokens == 0:
+            continue
+        stats = by_drafter.setdefault(item.req.draft_source, DraftStepStats(num_accepted_per_position=[]))
+        num_accepted = len(token_ids) - 1
+        stats.num_drafts += 1
+        stats.num_draft_tokens += item.num_draft_tokens
+        stats.num_accepted_tokens += num_accepted
+        per_position = stats.num_accepted_per_position
+        per_position.extend([0] * (item.num_draft_tokens - len(per_position)))
+        for position in range(num_accepted):
+            per_position[position] += 1
+    return by_drafter

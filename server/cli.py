@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from engine.model_source import resolve_model_source
     from server.app import build_app
+    from server.metrics import ServerMetrics
     from server.engine_client import EngineClient
     from server.tokenizer import load_tokenizer
 
@@ -66,7 +68,8 @@ def serve(args: argparse.Namespace) -> None:
             host=args.host, port=args.port, served_model_name=args.served_model_name, api_key=args.api_key or None
         ),
     )
-    engine = EngineClient(config.engine, config.server.engine_start_timeout_s)
+    model_name = config.server.served_model_name or resolve_model_source(config.engine.model).name
+    engine = EngineClient(config.engine, config.server.engine_start_timeout_s, ServerMetrics(model_name))
     app = build_app(config, engine, load_tokenizer(config.engine.model))
     uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="info")
 

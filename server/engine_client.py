@@ -15,6 +15,7 @@ import zmq.asyncio
 from engine.config import EngineConfig
 from engine.process import QUEUE_FULL_PREFIX, run_engine_process
 from engine.wire import AbortRequest, EngineDead, EngineOutputs, EngineReady, EngineRequest, FromEngine, RequestOutput, StepStats
+from server.metrics import ServerMetrics
 
 
 class EngineDeadError(RuntimeError):
@@ -30,9 +31,10 @@ class EngineRequestError(ValueError):
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, start_timeout_s: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 600.0, metrics: ServerMetrics | None = None) -> None:
         self.config = config
         self.start_timeout_s = start_timeout_s
+        self.metrics = metrics
         self.ready: EngineReady | None = None
         self.last_step_stats = StepStats()
         self.dead_reason: str | None = None
@@ -91,6 +93,8 @@ class EngineClient:
         self._mark_dead(f"the engine process exited with code {self._process.exitcode}")
 
     def _mark_dead(self, reason: str) -> None:
+        if self.metrics:
+            self.metrics.set_engine_healthy(False)
         if self.dead_reason is None:
             self.dead_reason = reason
         for queue in self._queues.values():
@@ -105,12 +109,16 @@ class EngineClient:
                 self._dispatch(message)
             elif isinstance(message, EngineReady):
                 self.ready = message
+                if self.metrics:
+                    self.metrics.set_engine_healthy(True)
                 self._ready_or_dead.set()
             elif isinstance(message, EngineDead):
                 self._mark_dead(message.reason)
 
     def _dispatch(self, message: EngineOutputs) -> None:
         self.last_step_stats = message.stats
+        if self.metrics:
+            self.metrics.observe_step(message.stats)
         for output in message.outputs:
             queue = self._queues.get(output.request_id)
             if queue is not None:
@@ -123,12 +131,15 @@ class EngineClient:
             raise EngineDeadError(self.dead_reason or "the engine is not ready")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.request_id] = queue
+        timer = self.metrics.request_timer() if self.metrics else None
         finished = False
         try:
             self._send(request)
             while not finished:
                 output = _raise_if_failed(await queue.get())
                 finished = output.finish_reason is not None
+                if timer:
+                    timer.on_output(output)
                 yield output
         finally:
             del self._queues[request.request_id]

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from fastapi.responses import JSONResponse, Response
 
 from server.auth import require_api_key
 from server.chat import create_chat_completion
 from server.completions import create_completion
-from server.errors import api_error_response, engine_unavailable
+from server.errors import APIError, api_error_response, engine_unavailable
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from server.request_body import read_request
 from server.serving import ServingContext
@@ -40,6 +41,14 @@ async def list_models(request: Request) -> JSONResponse:
     ready = context.require_ready()
     card = ModelCard(id=context.served_model_name(ready), max_model_len=ready.max_model_len)
     return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    server_metrics = serving_context(request).engine.metrics
+    if server_metrics is None:
+        return api_error_response(APIError(404, "metrics are not enabled"))
+    return Response(generate_latest(server_metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/health")

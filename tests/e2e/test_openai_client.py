@@ -112,3 +112,15 @@ def test_ignore_eos_generates_exactly_max_tokens(client):
     assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 40
     longer = chat(client, messages=question, max_tokens=40, extra_body={"ignore_eos": True})
     assert longer.choices[0].finish_reason == "length" and longer.usage.completion_tokens == 40
+
+
+def test_metrics_count_what_the_server_did(server, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    chat(client, messages=[{"role": "user", "content": "Repeat exactly: one two three four. one two three four."}], max_tokens=30)
+    families = text_string_to_metric_families(httpx.get(server.base_url + "/metrics").text)
+    values = {(s.name, s.labels.get("drafter")): s.value for f in families for s in f.samples if s.labels.get("model_name") == MODEL}
+    assert values[("specserve:engine_healthy", None)] == 1
+    assert values[("specserve:generation_tokens_total", None)] > 0
+    assert values[("specserve:time_to_first_token_seconds_count", None)] > 0
+    assert values[("specserve:spec_decode_num_draft_tokens_total", "copyspec")] > 0

@@ -38,6 +38,9 @@ def test_prefill_then_decode_with_drafts_keeps_computed_tokens_in_step():
     assert req.num_computed_tokens == 5  # 8 and 9 are in the cache; 12 is not yet
     assert (req.spec.num_drafts, req.spec.num_draft_tokens, req.spec.num_accepted_tokens) == (1, 3, 1)
     assert (stats.num_offered_draft_tokens, stats.num_verified_draft_tokens, stats.num_accepted_tokens) == (3, 3, 1)
+    copy_stats = stats.spec_by_drafter["copyspec"]
+    assert (copy_stats.num_drafts, copy_stats.num_draft_tokens, copy_stats.num_accepted_tokens) == (1, 3, 1)
+    assert copy_stats.num_accepted_per_position == [1, 0, 0]
 
 
 def test_drafts_are_cut_to_the_tokens_left():

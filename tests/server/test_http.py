@@ -32,6 +32,7 @@ class StandInEngine:
         self.events = []  # "start" / "shutdown"
         self.last_step_stats = StepStats(num_running=2, num_waiting=1)
         self.dead_reason = None if healthy else "killed by the test"
+        self.metrics = None
 
     async def start(self):
         self.events.append("start")

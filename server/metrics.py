@@ -1,0 +1,101 @@
+"""Prometheus metrics, owned by the server process and fed by the engine's per-step outputs.
+
+Names follow vLLM's (prefix `specserve:`) so existing queries port; every series
+carries `model_name`, and the speculative ones a `drafter` label.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engine.wire import RequestOutput, StepStats
+
+PREFIX = "specserve:"
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self._define_serving_metrics()
+        self._define_spec_metrics()
+
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+        return Counter(PREFIX + name, doc, ("model_name", *labels), registry=self.registry)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(PREFIX + name, doc, ("model_name",), registry=self.registry)
+
+    def _histogram(self, name: str, doc: str) -> Histogram:
+        return Histogram(PREFIX + name, doc, ("model_name",), buckets=LATENCY_BUCKETS_S, registry=self.registry)
+
+    def _define_serving_metrics(self) -> None:
+        self.num_requests_running = self._gauge("num_requests_running", "Requests in the running batch")
+        self.num_requests_waiting = self._gauge("num_requests_waiting", "Requests queued for admission")
+        self.engine_healthy = self._gauge("engine_healthy", "1 while the engine process is ready and alive")
+        self.ttft = self._histogram("time_to_first_token_seconds", "Seconds from submission to the first token")
+        self.itl = self._histogram("inter_token_latency_seconds", "Seconds between consecutive output tokens")
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Seconds from submission to the last token")
+        self.prompt_tokens = self._counter("prompt_tokens_total", "Prompt tokens of finished requests")
+        self.generation_tokens = self._counter("generation_tokens_total", "Generated tokens")
+        self.requests = self._counter("request_success_total", "Finished requests by finish reason", ("finished_reason",))
+        self.step_seconds = self._histogram("engine_step_seconds", "Seconds per engine step")
+
+    def _define_spec_metrics(self) -> None:
+        d = ("drafter",)
+        self.num_drafts = self._counter("spec_decode_num_drafts_total", "Verification rounds with drafted tokens", d)
+        self.num_draft_tokens = self._counter("spec_decode_num_draft_tokens_total", "Drafted tokens verified", d)
+        self.num_accepted = self._counter("spec_decode_num_accepted_tokens_total", "Drafted tokens accepted", d)
+        self.accepted_per_pos = self._counter(
+            "spec_decode_num_accepted_tokens_per_pos_total", "Accepted drafted tokens by draft position", ("drafter", "position")
+        )
+        self.offered = self._counter("spec_decode_num_offered_tokens_total", "Drafted tokens the drafters proposed")
+        self.verified = self._counter("spec_decode_num_verified_tokens_total", "Drafted tokens the planner sent to verification")
+
+    # --- engine steps -------------------------------------------------------------------
+    def observe_step(self, stats: StepStats) -> None:
+        m = self.model_name
+        self.num_requests_running.labels(m).set(stats.num_running)
+        self.num_requests_waiting.labels(m).set(stats.num_waiting)
+        if stats.step_seconds:
+            self.step_seconds.labels(m).observe(stats.step_seconds)
+        self.offered.labels(m).inc(stats.num_offered_draft_tokens)
+        self.verified.labels(m).inc(stats.num_verified_draft_tokens)
+        for drafter, spec in stats.spec_by_drafter.items():
+            self.num_drafts.labels(m, drafter).inc(spec.num_drafts)
+            self.num_draft_tokens.labels(m, drafter).inc(spec.num_draft_tokens)
+            self.num_accepted.labels(m, drafter).inc(spec.num_accepted_tokens)
+            for position, count in enumerate(spec.num_accepted_per_position):
+                self.accepted_per_pos.labels(m, drafter, str(position)).inc(count)
+
+    def set_engine_healthy(self, healthy: bool) -> None:
+        self.engine_healthy.labels(self.model_name).set(1 if healthy else 0)
+
+    def request_timer(self) -> "RequestTimer":
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Latencies of one request, observed as its outputs arrive."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.submitted = time.monotonic()  # seconds
+        self.last_output: float | None = None
+
+    def on_output(self, output: RequestOutput) -> None:
+        m, now, num_new = self.metrics.model_name, time.monotonic(), len(output.new_token_ids)
+        if num_new:
+            if self.last_output is None:
+                self.metrics.ttft.labels(m).observe(now - self.submitted)
+            else:
+                for _ in range(num_new):  # tokens verified together arrive together: spread the interval
+                    self.metrics.itl.labels(m).observe((now - self.last_output) / num_new)
+            self.last_output = now
+            self.metrics.generation_tokens.labels(m).inc(num_new)
+        if output.finish_reason:
+            self.metrics.e2e.labels(m).observe(now - self.submitted)
+            self.metrics.prompt_tokens.labels(m).inc(output.num_prompt_tokens)
+            self.metrics.requests.labels(m, output.finish_reason).inc()

@@ -1,0 +1,47 @@
+"""Prometheus metrics fed by engine step stats and request outputs."""
+from engine.wire import DraftStepStats, RequestOutput, StepStats
+from server.metrics import ServerMetrics
+
+MODEL = "tiny"
+
+
+def sample(metrics, name, **labels):
+    return metrics.registry.get_sample_value("specserve:" + name, {"model_name": MODEL, **labels})
+
+
+def test_step_stats_feed_gauges_and_per_drafter_counters():
+    metrics = ServerMetrics(MODEL)
+    spec = DraftStepStats(num_drafts=2, num_draft_tokens=7, num_accepted_tokens=4, num_accepted_per_position=[2, 1, 1])
+    for _ in range(2):
+        metrics.observe_step(StepStats(num_running=3, num_waiting=1, num_offered_draft_tokens=9,
+                                       num_verified_draft_tokens=7, step_seconds=0.05, spec_by_drafter={"copyspec": spec}))
+    assert sample(metrics, "num_requests_running") == 3 and sample(metrics, "num_requests_waiting") == 1
+    assert sample(metrics, "spec_decode_num_drafts_total", drafter="copyspec") == 4
+    assert sample(metrics, "spec_decode_num_draft_tokens_total", drafter="copyspec") == 14
+    assert sample(metrics, "spec_decode_num_accepted_tokens_total", drafter="copyspec") == 8
+    assert sample(metrics, "spec_decode_num_accepted_tokens_per_pos_total", drafter="copyspec", position="0") == 4
+    assert sample(metrics, "spec_decode_num_offered_tokens_total") == 18
+    assert sample(metrics, "spec_decode_num_verified_tokens_total") == 14
+    assert sample(metrics, "engine_step_seconds_count") == 2
+
+
+def test_request_timer_observes_ttft_itl_and_e2e():
+    metrics = ServerMetrics(MODEL)
+    timer = metrics.request_timer()
+    timer.on_output(RequestOutput("r", [5]))
+    timer.on_output(RequestOutput("r", [6, 7, 8]))
+    timer.on_output(RequestOutput("r", [2], finish_reason="stop", num_prompt_tokens=11))
+    assert sample(metrics, "time_to_first_token_seconds_count") == 1
+    assert sample(metrics, "inter_token_latency_seconds_count") == 4
+    assert sample(metrics, "e2e_request_latency_seconds_count") == 1
+    assert sample(metrics, "generation_tokens_total") == 5
+    assert sample(metrics, "prompt_tokens_total") == 11
+    assert sample(metrics, "request_success_total", finished_reason="stop") == 1
+
+
+def test_engine_health_gauge():
+    metrics = ServerMetrics(MODEL)
+    metrics.set_engine_healthy(True)
+    assert sample(metrics, "engine_healthy") == 1
+    metrics.set_engine_healthy(False)
+    assert sample(metrics, "engine_healthy") == 0
