@@ -69,6 +69,9 @@ class StepStats(msgspec.Struct):
     num_accepted_tokens: int = 0
     step_seconds: float = 0.0
     spec_by_drafter: dict[str, DraftStepStats] = {}
+    planned_tokens: float = 0.0  # tokens the planner expected this step to yield
+    planned_seconds: float = 0.0  # seconds the latency model predicted for this step's forwards
+    num_generated_tokens: int = 0  # tokens this step appended to its requests
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):

@@ -12,7 +12,7 @@ from engine.wire import DraftStepStats, RequestOutput, StepStats
 from scheduler.acceptance import AcceptanceEstimator, PositionalAcceptance
 from scheduler.config import SchedulerConfig
 from scheduler.latency import LatencyModel
-from scheduler.planner import best_num_draft_tokens
+from scheduler.planner import best_num_draft_tokens, expected_tokens
 from scheduler.request import Request, RequestStatus
 
 
@@ -41,6 +41,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_offered_draft_tokens: int = 0
     num_verified_draft_tokens: int = 0
+    expected_tokens: float = 0.0  # the planner's estimate of the tokens this step yields
+    predicted_seconds: float = 0.0  # the latency model's estimate of this step's forwards
 
 
 class Scheduler:
@@ -84,11 +86,13 @@ class Scheduler:
         self._admit_waiting()
         out = SchedulerOutput()
         for req in self.running:
-            num_drafts = self._num_drafts_to_verify(req)
-            out.num_offered_draft_tokens += len(req.draft_token_ids)
-            out.num_verified_draft_tokens += num_drafts
+            num_drafts, expected = self._plan(req)
             uncomputed = req.all_token_ids[req.num_computed_tokens:]
             out.scheduled.append(ScheduledRequest(req, uncomputed + req.draft_token_ids[:num_drafts], num_drafts))
+            out.num_offered_draft_tokens += len(req.draft_token_ids)
+            out.num_verified_draft_tokens += num_drafts
+            out.expected_tokens += expected
+            out.predicted_seconds += self.latency(len(out.scheduled[-1].input_token_ids)) if self.latency else 0.0
         return out
 
     def _admit_waiting(self) -> None:
@@ -97,15 +101,15 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 
-    def _num_drafts_to_verify(self, req: Request) -> int:
+    def _plan(self, req: Request) -> tuple[int, float]:
+        """Drafted tokens to verify, and the tokens the step is expected to yield for the request."""
         room = min(req.max_new_tokens_left, self.max_model_len - len(req.all_token_ids)) - 1
         limit = min(len(req.draft_token_ids), max(room, 0))
         if req.num_uncomputed_tokens != 1 or limit == 0:
-            return 0  # prefill steps carry no drafts
-        if self.latency is None:
-            return limit
+            return 0, 1.0  # prefill steps carry no drafts
         acceptance = self.estimator.estimate(req, limit)
-        return best_num_draft_tokens(acceptance, self.latency)
+        num_drafts = limit if self.latency is None else best_num_draft_tokens(acceptance, self.latency)
+        return num_drafts, expected_tokens(acceptance)[num_drafts]
 
     def set_drafts(self, reqs: list[Request], drafts: list[Draft]) -> None:
         for req, draft in zip(reqs, drafts):
@@ -125,6 +129,9 @@ class Scheduler:
             num_verified_draft_tokens=out.num_verified_draft_tokens,
             num_accepted_tokens=sum(s.num_accepted_tokens for s in spec_by_drafter.values()),
             spec_by_drafter=spec_by_drafter,
+            planned_tokens=out.expected_tokens,
+            planned_seconds=out.predicted_seconds,
+            num_generated_tokens=sum(len(o.new_token_ids) for o in outputs),
         )
         return outputs, stats
 

@@ -68,7 +68,7 @@ def serve(args: argparse.Namespace) -> None:
             host=args.host, port=args.port, served_model_name=args.served_model_name, api_key=args.api_key or None
         ),
     )
-    model_name = config.server.served_model_name or resolve_model_source(config.engine.model).name
+    model_name = config.server.served_model_name or resolve_model_source(config.engine.model.model).name
     engine = EngineClient(config.engine, config.server.engine_start_timeout_s, ServerMetrics(model_name))
     app = build_app(config, engine, load_tokenizer(config.engine.model))
     uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="info")

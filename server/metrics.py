@@ -53,6 +53,9 @@ class ServerMetrics:
         )
         self.offered = self._counter("spec_decode_num_offered_tokens_total", "Drafted tokens the drafters proposed")
         self.verified = self._counter("spec_decode_num_verified_tokens_total", "Drafted tokens the planner sent to verification")
+        self.planned_tokens = self._counter("planner_expected_tokens_total", "Tokens the goodput planner expected its steps to yield")
+        self.planned_seconds = self._counter("planner_predicted_seconds_total", "Forward seconds the latency model predicted")
+        self.step_tokens = self._counter("engine_step_tokens_total", "Tokens the engine's steps yielded")
 
     # --- engine steps -------------------------------------------------------------------
     def observe_step(self, stats: StepStats) -> None:
@@ -63,6 +66,9 @@ class ServerMetrics:
             self.step_seconds.labels(m).observe(stats.step_seconds)
         self.offered.labels(m).inc(stats.num_offered_draft_tokens)
         self.verified.labels(m).inc(stats.num_verified_draft_tokens)
+        self.planned_tokens.labels(m).inc(stats.planned_tokens)
+        self.planned_seconds.labels(m).inc(stats.planned_seconds)
+        self.step_tokens.labels(m).inc(stats.num_generated_tokens)
         for drafter, spec in stats.spec_by_drafter.items():
             self.num_drafts.labels(m, drafter).inc(spec.num_drafts)
             self.num_draft_tokens.labels(m, drafter).inc(spec.num_draft_tokens)

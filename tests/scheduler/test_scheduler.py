@@ -41,6 +41,21 @@ def test_prefill_then_decode_with_drafts_keeps_computed_tokens_in_step():
     copy_stats = stats.spec_by_drafter["copyspec"]
     assert (copy_stats.num_drafts, copy_stats.num_draft_tokens, copy_stats.num_accepted_tokens) == (1, 3, 1)
     assert copy_stats.num_accepted_per_position == [1, 0, 0]
+    assert stats.num_generated_tokens == 2
+
+
+def test_planner_reports_expected_tokens_and_predicted_seconds():
+    scheduler = make_scheduler(planner=True)
+    req = add(scheduler)
+    out = scheduler.schedule()
+    assert (out.expected_tokens, out.predicted_seconds) == (1.0, 1.0)  # prefill: one token, flat latency
+    scheduler.update(out, [[8]])
+    scheduler.set_drafts([req], [Draft([9, 10], "copyspec")])
+    out = scheduler.schedule()
+    assert out.scheduled[0].num_draft_tokens == 2  # flat latency: drafts are free
+    assert out.expected_tokens == pytest.approx(1 + 0.5 + 0.25)  # prior acceptance 0.5 per position
+    _, stats = scheduler.update(out, [[9, 10, 11]])
+    assert (stats.planned_tokens, stats.planned_seconds) == (pytest.approx(1.75), 1.0)
 
 
 def test_drafts_are_cut_to_the_tokens_left():
