@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import traceback
 
 import msgspec
@@ -14,6 +15,7 @@ from scheduler.scheduler import QueueFullError
 logger = logging.getLogger("specserve.engine")
 
 QUEUE_FULL_PREFIX = "queue full: "
+IDLE_POLL_MS = 1000  # while idle, how often the engine checks that its server still exists
 
 
 class EngineLoop:
@@ -27,6 +29,7 @@ class EngineLoop:
         self.decoder = msgspec.msgpack.Decoder(ToEngine)
         self.encoder = msgspec.msgpack.Encoder()
         self.engine = None
+        self.parent_pid = os.getppid()
 
     def send(self, message) -> None:
         self.outbox.send(self.encoder.encode(message))
@@ -37,7 +40,10 @@ class EngineLoop:
         self.engine = Engine(self.config)
         self.send(self.engine.ready_message())
         while True:
-            replies = self._drain_inbox(block=not self.engine.has_work)
+            self._exit_if_orphaned()
+            if not self.engine.has_work and not self.inbox.poll(IDLE_POLL_MS):
+                continue
+            replies = self._drain_inbox()
             if self.engine.has_work:
                 step_outputs = self.engine.step()
                 step_outputs.outputs[:0] = replies
@@ -45,18 +51,22 @@ class EngineLoop:
             elif replies:
                 self.send(EngineOutputs(outputs=replies, stats=StepStats()))
 
-    def _drain_inbox(self, block: bool) -> list[RequestOutput]:
+    def _drain_inbox(self) -> list[RequestOutput]:
         replies = []
-        flags = 0 if block else zmq.NOBLOCK
         while True:
             try:
-                raw = self.inbox.recv(flags)
+                raw = self.inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return replies
             reply = self._handle(self.decoder.decode(raw))
             if reply is not None:
                 replies.append(reply)
-            flags = zmq.NOBLOCK
+
+    def _exit_if_orphaned(self) -> None:
+        """A server killed outright cannot stop its engine: the engine notices and leaves."""
+        if os.getppid() != self.parent_pid:
+            logger.info("the server process is gone; the engine exits")
+            raise SystemExit(0)
 
     def _handle(self, message) -> RequestOutput | None:
         if isinstance(message, AbortRequest):
@@ -73,7 +83,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     loop = EngineLoop(config, input_address, output_address)
     try:
         loop.run()
-    except BaseException as exc:  # the server must learn why the engine died
+    except Exception as exc:  # the server must learn why the engine died
         logger.error("engine died: %s", traceback.format_exc())
         loop.send(EngineDead(reason=f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1)

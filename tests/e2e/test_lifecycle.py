@@ -69,3 +69,23 @@ def test_a_missing_model_file_stops_the_server_with_a_clear_message(tmp_path):
     )
     assert result.returncode != 0
     assert "GGUF file not found" in result.stderr
+
+
+@pytest.mark.slow
+def test_the_engine_exits_when_its_server_is_killed(tmp_path):
+    server = start_server(tmp_path, "--drafter", "none")
+    engine_pid = server.engine_pid()
+    os.kill(server.process.pid, signal.SIGKILL)
+    server.process.wait(timeout=10)
+
+    def engine_gone() -> bool:
+        try:
+            state = open(f"/proc/{engine_pid}/stat").read().split()[2]
+        except FileNotFoundError:
+            return True
+        return state == "Z"  # exited, waiting to be reaped by init
+
+    try:
+        assert wait_for(engine_gone, deadline_s=15), "an orphaned engine kept running"
+    finally:
+        stop_server(server)
