@@ -8,11 +8,12 @@ from bench.data import load_questions
 
 MT_BENCHMARKS = ("mt-redundant", "mt-bench")
 ALL_DRAFTERS = ("none", "copyspec", "hf-greedy", "hf-pld")
+PEERS = ("transformers-serve",)
 
 
 def add_bench_parser(commands, add_engine_flags) -> None:
-    bench = commands.add_parser("bench", help="measure speed side by side (see bench/README)")
-    bench.add_argument("name", choices=MT_BENCHMARKS)
+    bench = commands.add_parser("bench", help="measure speed side by side (results under bench/results/NAME)")
+    bench.add_argument("name", choices=(*MT_BENCHMARKS, "concurrency"))
     add_engine_flags(bench)
     bench.add_argument("--drafters", default=",".join(ALL_DRAFTERS), help=f"comma list from {ALL_DRAFTERS}; 'none' is always run")
     bench.add_argument("--limit", type=int, default=None, help="first N questions only")
@@ -21,6 +22,20 @@ def add_bench_parser(commands, add_engine_flags) -> None:
     bench.add_argument("--data-dir", type=Path, default=None, help="folder with the benchmark .jsonl files")
     bench.add_argument("--resume", action="store_true", help="keep rows already in OUT/results.json")
     bench.add_argument("--peer-turns", type=parse_turns, default=(1, 2), help="turns the hf-* peers answer, e.g. 2")
+    bench.add_argument("--concurrency", type=parse_ints, default=(1, 4, 16, 32, 64), help="concurrency: client counts")
+    bench.add_argument("--requests-per-client", type=int, default=2, help="concurrency: turn-2 requests per client and level")
+    bench.add_argument("--peers", type=parse_peers, default=PEERS, help=f"concurrency: peer servers from {PEERS}, or ''")
+
+
+def parse_ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part.strip())
+
+
+def parse_peers(text: str) -> tuple[str, ...]:
+    peers = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not set(peers) <= set(PEERS):
+        raise argparse.ArgumentTypeError(f"peers are {PEERS}")
+    return peers
 
 
 def parse_turns(text: str) -> tuple[int, ...]:
@@ -39,15 +54,25 @@ def parse_drafters(text: str) -> list[str]:
 
 
 def run_bench(args: argparse.Namespace, engine_config_from_args) -> None:
+    from server.tokenizer import load_tokenizer
+
+    out_dir = args.out or Path(__file__).resolve().parent / "results" / args.name
+    tokenizer = load_tokenizer(engine_config_from_args(args, "none").model)
+    if args.name == "concurrency":
+        run_concurrency(args, engine_config_from_args, tokenizer, out_dir)
+    else:
+        run_mt(args, engine_config_from_args, tokenizer, out_dir)
+    print((out_dir / "results.md").read_text())
+
+
+def run_mt(args: argparse.Namespace, engine_config_from_args, tokenizer, out_dir: Path) -> None:
     from bench.mt import run_mt_benchmark
     from bench.runners import EngineRunner, HFRunner
     from engine.engine import Engine
     from engine.model_loader import load_model
-    from server.tokenizer import load_tokenizer
 
-    drafters = parse_drafters(args.drafters)
     runners, hf_model = {}, None
-    for name in drafters:
+    for name in parse_drafters(args.drafters):
         if name.startswith("hf-"):
             hf_model = hf_model or load_model(engine_config_from_args(args, "none").model)
             runners[name] = HFRunner(hf_model, prompt_lookup=name == "hf-pld")
@@ -55,7 +80,19 @@ def run_bench(args: argparse.Namespace, engine_config_from_args) -> None:
             runners[name] = EngineRunner(Engine(engine_config_from_args(args, name)))
     reference_model = runners["none"].engine.runner.model
     questions = load_questions(args.name, args.data_dir)[: args.limit]
-    out_dir = args.out or Path(__file__).resolve().parent / "results" / args.name
-    tokenizer = load_tokenizer(engine_config_from_args(args, "none").model)
-    results = run_mt_benchmark(args.name, questions, runners, tokenizer, reference_model, args, out_dir)
-    print((out_dir / "results.md").read_text())
+    run_mt_benchmark(args.name, questions, runners, tokenizer, reference_model, args, out_dir)
+
+
+def run_concurrency(args: argparse.Namespace, engine_config_from_args, tokenizer, out_dir: Path) -> None:
+    """HTTP servers under C concurrent clients; specserve per drafter (hf-* drafters do not apply) and peers."""
+    from bench.concurrency import run_concurrency_benchmark
+    from bench.runners import EngineRunner
+    from engine.engine import Engine
+
+    args.concurrency_drafters = [d for d in parse_drafters(args.drafters) if not d.startswith("hf-")]
+    engine_flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting)]
+    if args.model:
+        engine_flags += ["--model", args.model]
+    questions = load_questions("mt-redundant", args.data_dir)[: args.limit]
+    baseline = EngineRunner(Engine(engine_config_from_args(args, "none")))
+    run_concurrency_benchmark(args, questions, tokenizer, baseline, engine_flags, out_dir)

@@ -1,83 +1,9 @@
 """A real specserve process on loopback, started the way `make serve` starts it."""
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-
-import httpx
 import pytest
 
-STARTUP_DEADLINE_S = 300.0
-
-
-@dataclass
-class RunningServer:
-    process: subprocess.Popen
-    base_url: str
-    log_path: Path
-    health_statuses: list[int] = field(default_factory=list)  # /health answers seen while starting
-
-    @property
-    def api_url(self) -> str:
-        return self.base_url + "/v1"
-
-    def engine_pid(self) -> int:
-        """The engine is the server's child process."""
-        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split()
-        for pid in map(int, children):
-            if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text():
-                return pid
-        raise RuntimeError(f"no engine child among {children}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until_healthy(server: RunningServer, deadline_s: float = STARTUP_DEADLINE_S) -> None:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()}")
-        try:
-            server.health_statuses.append(httpx.get(server.base_url + "/health", timeout=2).status_code)
-            if server.health_statuses[-1] == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)  # poll interval while waiting for readiness, bounded by the deadline
-    raise TimeoutError(f"server not healthy after {deadline_s} s:\n{server.log()}")
-
-
-def start_server(tmp_path: Path, *extra_args: str) -> RunningServer:
-    port = free_port()
-    log_path = tmp_path / f"server-{port}.log"
-    command = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *extra_args]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
-    wait_until_healthy(server)
-    return server
-
-
-def stop_server(server: RunningServer) -> None:
-    if server.process.poll() is None:
-        os.killpg(server.process.pid, signal.SIGTERM)
-        try:
-            server.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.process.pid, signal.SIGKILL)
+from bench.server_process import start_server, stop_server
 
 
 @pytest.fixture(scope="session")

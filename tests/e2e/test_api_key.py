@@ -3,7 +3,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import start_server, stop_server
+from bench.server_process import start_server, stop_server
 
 KEY = "sk-e2e-secret"
 

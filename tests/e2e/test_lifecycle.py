@@ -6,7 +6,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import start_server, stop_server
+from bench.server_process import start_server, stop_server
 
 MODEL = "SmolLM2-135M-Instruct"
 LONG_REQUEST = {
