@@ -36,6 +36,7 @@ class ServerUnderTest:
     drafter: str
     command: list[str]
     port: int
+    model: str  # the `model` field its requests carry
 
 
 @dataclass
@@ -45,18 +46,18 @@ class RequestTiming:
     completion_tokens: int
 
 
-def specserve_under_test(drafter: str, engine_flags: list[str]) -> ServerUnderTest:
+def specserve_under_test(drafter: str, engine_flags: list[str], model: str) -> ServerUnderTest:
     port = free_port()
-    return ServerUnderTest("specserve", drafter, specserve_command(port, "--drafter", drafter, *engine_flags), port)
+    return ServerUnderTest("specserve", drafter, specserve_command(port, "--drafter", drafter, *engine_flags), port, model)
 
 
 def transformers_serve_under_test() -> ServerUnderTest:
     source = resolve_model_source(None)
     port = free_port()
     model = f"{source.path}:{source.gguf_file}"
-    command = [sys.executable, "-m", "transformers.cli.transformers", "serve", "--force-model", model,
+    command = [sys.executable, "-m", "transformers.cli.transformers", "serve", model,
                "--continuous-batching", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)]
-    return ServerUnderTest("transformers-serve", "none", command, port)
+    return ServerUnderTest("transformers-serve", "none", command, port, model)
 
 
 async def stream_turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int) -> RequestTiming:
@@ -131,14 +132,14 @@ def summary_row(under_test: ServerUnderTest, concurrency: int, timings: list[Req
     }
 
 
-def measure_server(under_test: ServerUnderTest, model: str, conversations, levels: list[int], requests_per_client: int, max_tokens: int, log_dir: Path) -> list[dict]:
+def measure_server(under_test: ServerUnderTest, conversations, levels: list[int], requests_per_client: int, max_tokens: int, log_dir: Path) -> list[dict]:
     server = start_process(under_test.command, under_test.port, log_dir)
     rows = []
     try:
         for concurrency in levels:
             batch = [conversations[i % len(conversations)] for i in range(concurrency * requests_per_client)]
             before = scrape_spec_counters(server)
-            timings, seconds = asyncio.run(run_level(server.api_url, model, batch, concurrency, max_tokens))
+            timings, seconds = asyncio.run(run_level(server.api_url, under_test.model, batch, concurrency, max_tokens))
             after = scrape_spec_counters(server)
             spec = {k: after[k] - before.get(k, 0.0) for k in after}
             rows.append(summary_row(under_test, concurrency, timings, seconds, spec))
@@ -196,20 +197,14 @@ def turn2_conversations(questions: list[dict], tokenizer, runner, max_tokens: in
 
 
 def run_concurrency_benchmark(args, questions: list[dict], tokenizer, baseline_runner, engine_flags: list[str], out_dir: Path) -> list[dict]:
+    out_dir.mkdir(parents=True, exist_ok=True)
     conversations = turn2_conversations(questions, tokenizer, baseline_runner, args.max_new_tokens)
-    servers = [specserve_under_test(d, engine_flags) for d in args.concurrency_drafters]
-    servers += [transformers_serve_under_test() for peer in args.peers if peer == "transformers-serve"]
     model = resolve_model_source(args.model).name
+    servers = [specserve_under_test(d, engine_flags, model) for d in args.concurrency_drafters]
+    servers += [transformers_serve_under_test() for peer in args.peers if peer == "transformers-serve"]
     command = "specserve " + " ".join(sys.argv[1:])
     rows = []
     for under_test in servers:
-        peer_model = model if under_test.server == "specserve" else None
-        rows += measure_server(under_test, peer_model or _peer_model_name(under_test), conversations,
-                               args.concurrency, args.requests_per_client, args.max_new_tokens, out_dir)
+        rows += measure_server(under_test, conversations, args.concurrency, args.requests_per_client, args.max_new_tokens, out_dir)
         write_concurrency_results(rows, command, out_dir)
     return rows
-
-
-def _peer_model_name(under_test: ServerUnderTest) -> str:
-    """transformers serve names its forced model by the id it was given."""
-    return under_test.command[under_test.command.index("--force-model") + 1]
