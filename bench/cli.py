@@ -25,6 +25,10 @@ def add_bench_parser(commands, add_engine_flags) -> None:
     bench.add_argument("--concurrency", type=parse_ints, default=(1, 4, 16, 32, 64), help="concurrency: client counts")
     bench.add_argument("--requests-per-client", type=int, default=2, help="concurrency: turn-2 requests per client and level")
     bench.add_argument("--peers", type=parse_peers, default=PEERS, help=f"concurrency: peer servers from {PEERS}, or ''")
+    bench.add_argument("--peer-kv-blocks", type=int, default=None,
+                       help="concurrency: transformers serve's KV blocks of 256 tokens (default: enough for the largest C at once)")
+    bench.add_argument("--peer-max-batch-tokens", type=int, default=None,
+                       help="concurrency: transformers serve's tokens per forward (default: specserve's per-step budget, 512)")
 
 
 def parse_ints(text: str) -> tuple[int, ...]:
@@ -90,9 +94,13 @@ def run_concurrency(args: argparse.Namespace, engine_config_from_args, tokenizer
     from engine.engine import Engine
 
     args.concurrency_drafters = [d for d in parse_drafters(args.drafters) if not d.startswith("hf-")]
-    engine_flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting)]
-    if args.model:
-        engine_flags += ["--model", args.model]
+    engine_flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
+                    "--device", args.device, "--dtype", args.dtype]
+    for flag in ("model", "num_threads", "max_model_len", "max_num_batched_tokens", "copy_gamma", "copy_max_tokens"):
+        if getattr(args, flag, None) is not None:
+            engine_flags += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    if getattr(args, "no_goodput_planner", False):
+        engine_flags.append("--no-goodput-planner")
     questions = load_questions("mt-redundant", args.data_dir)[: args.limit]
     baseline = EngineRunner(Engine(engine_config_from_args(args, "none")))
     run_concurrency_benchmark(args, questions, tokenizer, baseline, engine_flags, out_dir)

@@ -3,24 +3,35 @@
 Turn-1 answers are produced once, greedily, by the first specserve under test and
 put into every turn-2 history, so the measured phase holds turn 2 alone. Each
 server (specserve per drafter, and peers such as `transformers serve
---continuous-batching`) is started on loopback, driven at each concurrency level,
-and stopped. Throughput is turn-2 tokens over the level's wall time.
+--continuous-batching`) is started on loopback, warmed up with one short request,
+driven at each concurrency level, and stopped. Throughput is turn-2 tokens over
+the level's wall time.
+
+`transformers serve` cannot batch a GGUF checkpoint (its model manager reads
+`config.architectures`, which GGUF configs leave empty), so a GGUF model is
+dequantized once into a plain transformers directory under the user cache and
+that directory is served. Its paged KV cache is sized to the workload: left to
+itself on CPU it takes 90 % of the free RAM.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import os
+import shlex
+import shutil
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server_process import RunningServer, free_port, specserve_command, start_process, stop_server
-from engine.model_source import resolve_model_source
+from engine.model_source import ModelSource, resolve_model_source
 
 SPEC_COUNTERS = {
     "drafts": "specserve:spec_decode_num_drafts_total",
@@ -28,6 +39,12 @@ SPEC_COUNTERS = {
     "offered": "specserve:spec_decode_num_offered_tokens_total",
     "verified": "specserve:spec_decode_num_verified_tokens_total",
 }
+# The peer runs with no hub: everything it loads is local, and the CLI's PyPI update check is off.
+PEER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+PEER_PAGE_SIZE = 256  # tokens per KV block of transformers' continuous batching (ContinuousBatchingConfig.page_size)
+PEER_MIN_BLOCKS = 16  # headroom for small runs (12 MB a block for SmolLM2-135M in float32)
+DEFAULT_PEER_MAX_BATCH_TOKENS = 512  # specserve's default per-step token budget (SchedulerConfig.max_num_batched_tokens)
+WARMUP_MAX_TOKENS = 8
 
 
 @dataclass
@@ -37,6 +54,7 @@ class ServerUnderTest:
     command: list[str]
     port: int
     model: str  # the `model` field its requests carry
+    env: dict[str, str] = field(default_factory=dict)  # added to the environment it starts in
 
 
 @dataclass
@@ -51,13 +69,88 @@ def specserve_under_test(drafter: str, engine_flags: list[str], model: str) -> S
     return ServerUnderTest("specserve", drafter, specserve_command(port, "--drafter", drafter, *engine_flags), port, model)
 
 
-def transformers_serve_under_test() -> ServerUnderTest:
-    source = resolve_model_source(None)
+def transformers_serve_under_test(
+    model_dir: str, device: str, dtype: str, num_blocks: int, max_batch_tokens: int
+) -> ServerUnderTest:
+    """`transformers serve --continuous-batching` pinned to MODEL_DIR, which is also the `model` its requests name."""
     port = free_port()
-    model = f"{source.path}:{source.gguf_file}"
-    command = [sys.executable, "-m", "transformers.cli.transformers", "serve", model,
-               "--continuous-batching", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)]
-    return ServerUnderTest("transformers-serve", "none", command, port, model)
+    command = [sys.executable, "-m", "transformers.cli.transformers", "serve", model_dir, "--continuous-batching",
+               "--device", device, "--dtype", dtype, "--cb-num-blocks", str(num_blocks),
+               "--cb-max-batch-tokens", str(max_batch_tokens), "--host", "127.0.0.1", "--port", str(port),
+               "--log-level", "warning"]
+    return ServerUnderTest("transformers-serve", "none", command, port, model_dir, dict(PEER_ENV))
+
+
+def peer_device_and_dtype(device: str, dtype: str) -> tuple[str, str]:
+    """The device and dtype specserve's engine picks for the same flags: CUDA when there is one, float32 on CPU."""
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return device, dtype
+
+
+def peer_num_blocks(prompt_lengths: list[int], max_concurrency: int, max_tokens: int) -> int:
+    """KV blocks for MAX_CONCURRENCY requests of the longest prompt plus MAX_TOKENS each at once, so the peer never preempts."""
+    blocks_per_request = math.ceil((max(prompt_lengths) + max_tokens) / PEER_PAGE_SIZE)
+    return max(PEER_MIN_BLOCKS, max_concurrency * blocks_per_request + 1)
+
+
+def prompt_lengths(tokenizer, conversations: list[list[dict]]) -> list[int]:
+    lengths = []
+    for messages in conversations:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        lengths.append(len(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return lengths
+
+
+def default_peer_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specserve" / "transformers-serve"
+
+
+def transformers_model_dir(source: ModelSource, cache_dir: Path | None = None) -> str:
+    """A model `transformers serve --continuous-batching` can load: SOURCE itself, or its GGUF dequantized once into CACHE_DIR."""
+    if source.gguf_file is None:
+        return source.path
+    gguf = Path(source.path) / source.gguf_file
+    stat = gguf.stat()
+    import transformers
+
+    stamp = {"gguf": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "transformers": transformers.__version__}
+    target = (cache_dir or default_peer_cache()) / gguf.stem
+    marker = target / "specserve-source.json"
+    if marker.is_file() and json.loads(marker.read_text()) == stamp:
+        return str(target)
+    print(f"dequantizing {gguf} into {target} for transformers serve", flush=True)
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    save_dequantized(source, partial)
+    (partial / marker.name).write_text(json.dumps(stamp, indent=1))
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+    return str(target)
+
+
+def save_dequantized(source: ModelSource, directory: Path) -> None:
+    """Model (float32), tokenizer and chat template of a GGUF file as a plain transformers checkpoint in DIRECTORY."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    if getattr(model, "hf_quantizer", None) is not None and any(p.dtype != torch.float32 for p in model.parameters()):
+        raise RuntimeError(f"{source.gguf_file} loaded with packed GGUF weights; cannot write a dequantized copy")
+    # The weights are plain float32 tensors already; only the GGUF quantizer marks the model unsaveable.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.architectures = [type(model).__name__]  # GGUF configs leave it empty; transformers serve needs it
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)  # writes the chat template too
+    if not tokenizer.chat_template:
+        raise RuntimeError(f"{source.gguf_file} carries no chat template")
 
 
 async def stream_turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int) -> RequestTiming:
@@ -65,9 +158,11 @@ async def stream_turn(client: httpx.AsyncClient, url: str, model: str, messages:
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first = last = None
-    completion_tokens = 0
+    chunks = completion_tokens = 0
     async with client.stream("POST", url + "/chat/completions", json=body) as response:
-        response.raise_for_status()
+        if response.status_code != 200:
+            await response.aread()
+            raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:500]}")
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -77,8 +172,10 @@ async def stream_turn(client: httpx.AsyncClient, url: str, model: str, messages:
             if any(choice.get("delta", {}).get("content") for choice in chunk.get("choices", [])):
                 last = time.perf_counter()
                 first = first or last
+                chunks += 1
     if first is None:
         raise RuntimeError("the server streamed no text")
+    completion_tokens = completion_tokens or chunks  # a server that sends no usage: one token per text chunk
     return RequestTiming(first - start, (last - first) / max(completion_tokens - 1, 1), completion_tokens)
 
 
@@ -99,49 +196,69 @@ async def run_level(url: str, model: str, conversations: list[list[dict]], concu
     return timings, time.perf_counter() - start
 
 
-def scrape_spec_counters(server: RunningServer) -> dict[str, float]:
-    """Sums of specserve's speculative counters (empty for servers without them)."""
+def scrape_spec_counters(server: RunningServer) -> dict[str, float] | None:
+    """Sums of specserve's speculative counters (zero where none was counted yet); None for a server without /metrics."""
     try:
-        text = httpx.get(server.base_url + "/metrics", timeout=10).text
+        response = httpx.get(server.base_url + "/metrics", timeout=10)
     except httpx.HTTPError:
-        return {}
+        return None
+    if response.status_code != 200 or not response.headers.get("content-type", "").startswith("text/plain"):
+        return None
     wanted = {name: key for key, name in SPEC_COUNTERS.items()}
     totals = dict.fromkeys(SPEC_COUNTERS, 0.0)
-    found = False
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
             if sample.name in wanted:
                 totals[wanted[sample.name]] += sample.value
-                found = True
-    return totals if found else {}
+    return totals
 
 
-def summary_row(under_test: ServerUnderTest, concurrency: int, timings: list[RequestTiming], seconds: float, spec: dict) -> dict:
+def counter_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    if before is None or after is None:
+        return None
+    return {key: after[key] - before[key] for key in after}
+
+
+def percentile(sorted_values: list[float], fraction: float) -> float:
+    """Nearest-rank percentile of an ascending list."""
+    return sorted_values[max(0, math.ceil(fraction * len(sorted_values)) - 1)]
+
+
+def summary_row(under_test: ServerUnderTest, concurrency: int, timings: list[RequestTiming], seconds: float, spec: dict | None) -> dict:
+    """One results.json summary row; the speculative columns are null for a server that reports no speculation."""
     ttfts = sorted(t.ttft_s for t in timings)
     tokens = sum(t.completion_tokens for t in timings)
+    if spec is None:
+        acceptance = drafted = verified = None
+    else:  # no drafts at all (drafter none): every step yields one token
+        acceptance = round(1 + spec["accepted"] / spec["drafts"], 3) if spec["drafts"] else 1.0
+        drafted, verified = int(spec["offered"]), int(spec["verified"])
     return {
         "concurrency": concurrency, "server": under_test.server, "drafter": under_test.drafter,
         "num_requests": len(timings), "completion_tokens": tokens, "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 3),
         "ttft_p50_s": round(statistics.median(ttfts), 4),
-        "ttft_p99_s": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 4),
+        "ttft_p99_s": round(percentile(ttfts, 0.99), 4),
         "itl_p50_s": round(statistics.median(t.itl_s for t in timings), 5),
-        "mean_acceptance_length": round(1 + spec["accepted"] / spec["drafts"], 3) if spec.get("drafts") else None,
-        "drafted_tokens": int(spec["offered"]) if spec else None,
-        "verified_draft_tokens": int(spec["verified"]) if spec else None,
+        "mean_acceptance_length": acceptance,
+        "drafted_tokens": drafted,
+        "verified_draft_tokens": verified,
     }
 
 
 def measure_server(under_test: ServerUnderTest, conversations, levels: list[int], requests_per_client: int, max_tokens: int, log_dir: Path) -> list[dict]:
-    server = start_process(under_test.command, under_test.port, log_dir)
+    started = time.perf_counter()
+    server = start_process(under_test.command, under_test.port, log_dir, env=under_test.env)
+    print(f"{under_test.server}/{under_test.drafter} healthy after {time.perf_counter() - started:.1f} s", flush=True)
     rows = []
     try:
+        # One untimed request first: lazy start-up work (KV pool, first forwards) stays out of level 1.
+        asyncio.run(run_level(server.api_url, under_test.model, conversations[:1], 1, WARMUP_MAX_TOKENS))
         for concurrency in levels:
             batch = [conversations[i % len(conversations)] for i in range(concurrency * requests_per_client)]
             before = scrape_spec_counters(server)
             timings, seconds = asyncio.run(run_level(server.api_url, under_test.model, batch, concurrency, max_tokens))
-            after = scrape_spec_counters(server)
-            spec = {k: after[k] - before.get(k, 0.0) for k in after}
+            spec = counter_delta(before, scrape_spec_counters(server))
             rows.append(summary_row(under_test, concurrency, timings, seconds, spec))
             print(json.dumps(rows[-1]), flush=True)
     finally:
@@ -149,16 +266,52 @@ def measure_server(under_test: ServerUnderTest, conversations, levels: list[int]
     return rows
 
 
-def write_concurrency_results(rows: list[dict], command: str, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = {"benchmark": "concurrency", "command": command, "summary": rows}
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    lines = ["| concurrency | server | drafter | tok/s | TTFT p50 s | TTFT p99 s | ITL p50 s | τ | drafted | verified |", "|" + "---|" * 10]
+def throughput_ratios(rows: list[dict]) -> list[dict]:
+    """Per concurrency: each specserve drafter over specserve `none`, and each specserve drafter over each peer."""
+    speed = {(r["concurrency"], r["server"], r["drafter"]): r["tokens_per_s"] for r in rows}
+    drafters = list(dict.fromkeys(r["drafter"] for r in rows if r["server"] == "specserve"))
+    peers = list(dict.fromkeys(r["server"] for r in rows if r["server"] != "specserve"))
+    pairs = [(("specserve", d), ("specserve", "none")) for d in drafters if d != "none"]
+    pairs += [(("specserve", d), (p, "none")) for p in peers for d in drafters]
+    ratios = []
+    for concurrency in dict.fromkeys(r["concurrency"] for r in rows):
+        for top, bottom in pairs:
+            a, b = speed.get((concurrency, *top)), speed.get((concurrency, *bottom))
+            if a is not None and b:
+                ratios.append({"concurrency": concurrency, "numerator": "/".join(top), "denominator": "/".join(bottom),
+                               "ratio": round(a / b, 3)})
+    return ratios
+
+
+def _cell(value, spec: str = "") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def markdown_report(rows: list[dict], ratios: list[dict], command: str) -> str:
+    lines = ["# Concurrency, MT-Redundant turn 2", "", f"Command: `{command}`", "",
+             "| concurrency | server | drafter | tok/s | TTFT p50 s | TTFT p99 s | ITL p50 s | τ | drafted | verified |",
+             "|" + "---|" * 10]
     for r in rows:
         lines.append(f"| {r['concurrency']} | {r['server']} | {r['drafter']} | {r['tokens_per_s']:.1f} | {r['ttft_p50_s']:.2f} | "
-                     f"{r['ttft_p99_s']:.2f} | {r['itl_p50_s']:.3f} | {r['mean_acceptance_length'] or '–'} | "
-                     f"{r['drafted_tokens'] if r['drafted_tokens'] is not None else '–'} | {r['verified_draft_tokens'] if r['verified_draft_tokens'] is not None else '–'} |")
-    (out_dir / "results.md").write_text(f"# Concurrency, MT-Redundant turn 2\n\nCommand: `{command}`\n\n" + "\n".join(lines) + "\n")
+                     f"{r['ttft_p99_s']:.2f} | {r['itl_p50_s']:.3f} | {_cell(r['mean_acceptance_length'], '.2f')} | "
+                     f"{_cell(r['drafted_tokens'])} | {_cell(r['verified_draft_tokens'])} |")
+    columns = list(dict.fromkeys(f"{q['numerator']} ÷ {q['denominator']}" for q in ratios))
+    if columns:
+        cells = {(q["concurrency"], f"{q['numerator']} ÷ {q['denominator']}"): q["ratio"] for q in ratios}
+        lines += ["", "Throughput ratios (tok/s over tok/s):", "",
+                  "| concurrency | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 1)]
+        for concurrency in dict.fromkeys(q["concurrency"] for q in ratios):
+            lines.append(f"| {concurrency} | " + " | ".join(_cell(cells.get((concurrency, c)), '.2f') for c in columns) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_concurrency_results(rows: list[dict], command: str, out_dir: Path, setup: dict | None = None) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ratios = throughput_ratios(rows)
+    results = {"benchmark": "concurrency", "command": command, **({"setup": setup} if setup else {}),
+               "summary": rows, "ratios": ratios}
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False))
+    (out_dir / "results.md").write_text(markdown_report(rows, ratios, command))
     _plot_throughput(rows, out_dir / "throughput.png")
 
 
@@ -169,10 +322,14 @@ def _plot_throughput(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    levels = sorted({r["concurrency"] for r in rows})
     for key in dict.fromkeys((r["server"], r["drafter"]) for r in rows):
         points = [(r["concurrency"], r["tokens_per_s"]) for r in rows if (r["server"], r["drafter"]) == key]
         ax.plot(*zip(*points), marker="o", label=f"{key[0]} / {key[1]}")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("concurrent clients")
     ax.set_ylabel("turn-2 tokens/s")
     ax.legend()
@@ -196,15 +353,38 @@ def turn2_conversations(questions: list[dict], tokenizer, runner, max_tokens: in
     return conversations
 
 
+def peers_under_test(args, conversations: list[list[dict]], tokenizer) -> tuple[list[ServerUnderTest], dict]:
+    """The peer servers ARGS ask for, and how they were set up (for results.json)."""
+    peers, setup = [], {}
+    if "transformers-serve" in args.peers:
+        from transformers.utils.import_utils import is_serve_available
+
+        if not is_serve_available():
+            raise SystemExit("transformers serve needs fastapi, uvicorn, pydantic and openai installed (or pass --peers '')")
+        model_dir = transformers_model_dir(resolve_model_source(args.model))
+        device, dtype = peer_device_and_dtype(args.device, args.dtype)
+        num_blocks = args.peer_kv_blocks or peer_num_blocks(prompt_lengths(tokenizer, conversations), max(args.concurrency), args.max_new_tokens)
+        # Tokens per forward: specserve's own per-step budget where the flags carry one
+        max_batch_tokens = args.peer_max_batch_tokens or getattr(args, "max_num_batched_tokens", None) or DEFAULT_PEER_MAX_BATCH_TOKENS
+        peer = transformers_serve_under_test(model_dir, device, dtype, num_blocks, max_batch_tokens)
+        peers.append(peer)
+        shown = ["transformers", *peer.command[3:]]
+        shown[shown.index("--port") + 1] = "PORT"
+        setup["transformers-serve"] = {"command": shlex.join(shown), "env": peer.env,
+                                       "kv_page_size": PEER_PAGE_SIZE, "kv_blocks": num_blocks}
+    return peers, setup
+
+
 def run_concurrency_benchmark(args, questions: list[dict], tokenizer, baseline_runner, engine_flags: list[str], out_dir: Path) -> list[dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
     conversations = turn2_conversations(questions, tokenizer, baseline_runner, args.max_new_tokens)
     model = resolve_model_source(args.model).name
     servers = [specserve_under_test(d, engine_flags, model) for d in args.concurrency_drafters]
-    servers += [transformers_serve_under_test() for peer in args.peers if peer == "transformers-serve"]
+    peers, setup = peers_under_test(args, conversations, tokenizer)
+    setup["specserve_flags"] = engine_flags
     command = "specserve " + " ".join(sys.argv[1:])
     rows = []
-    for under_test in servers:
+    for under_test in servers + peers:
         rows += measure_server(under_test, conversations, args.concurrency, args.requests_per_client, args.max_new_tokens, out_dir)
-        write_concurrency_results(rows, command, out_dir)
+        write_concurrency_results(rows, command, out_dir, setup)
     return rows

@@ -48,10 +48,15 @@ def specserve_command(port: int, *extra_args: str) -> list[str]:
     return [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *extra_args]
 
 
-def start_process(command: list[str], port: int, log_dir: Path, deadline_s: float = STARTUP_DEADLINE_S) -> RunningServer:
+def start_process(
+    command: list[str], port: int, log_dir: Path, deadline_s: float = STARTUP_DEADLINE_S, env: dict[str, str] | None = None
+) -> RunningServer:
+    """Run `command` in its own process group, logging to LOG_DIR/server-PORT.log; `env` is added to this environment."""
     log_path = log_dir / f"server-{port}.log"
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **env} if env else None
+        )
     server = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
     try:
         wait_until_healthy(server, deadline_s)

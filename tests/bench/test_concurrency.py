@@ -1,0 +1,171 @@
+"""The concurrency benchmark's bookkeeping: rows, ratios, report files, peer setup and process start-up."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+
+from bench.concurrency import (
+    PEER_ENV,
+    PEER_MIN_BLOCKS,
+    PEER_PAGE_SIZE,
+    RequestTiming,
+    ServerUnderTest,
+    markdown_report,
+    peer_device_and_dtype,
+    peer_num_blocks,
+    scrape_spec_counters,
+    summary_row,
+    throughput_ratios,
+    transformers_model_dir,
+    transformers_serve_under_test,
+    write_concurrency_results,
+)
+from bench.server_process import free_port, start_process, stop_server
+from engine.model_source import ModelSource
+
+SPEC_KEYS = ("mean_acceptance_length", "drafted_tokens", "verified_draft_tokens")
+
+
+def under_test(server: str, drafter: str) -> ServerUnderTest:
+    return ServerUnderTest(server, drafter, ["true"], 1, "m")
+
+
+def timings() -> list[RequestTiming]:
+    return [RequestTiming(0.5, 0.05, 10), RequestTiming(1.5, 0.07, 30), RequestTiming(1.0, 0.06, 20)]
+
+
+def row(concurrency: int, server: str, drafter: str, tokens_per_s: float) -> dict:
+    spec = None if server != "specserve" else {"drafts": 0.0, "accepted": 0.0, "offered": 0.0, "verified": 0.0}
+    return {**summary_row(under_test(server, drafter), concurrency, timings(), 1.0, spec), "tokens_per_s": tokens_per_s}
+
+
+def test_summary_row_of_a_peer_has_null_speculative_columns():
+    result = summary_row(under_test("transformers-serve", "none"), 4, timings(), 2.0, None)
+    assert result["tokens_per_s"] == 30.0
+    assert result["ttft_p50_s"] == 1.0 and result["ttft_p99_s"] == 1.5
+    assert result["itl_p50_s"] == 0.06
+    assert all(result[key] is None for key in SPEC_KEYS)
+    json.dumps(result, allow_nan=False)
+
+
+def test_summary_row_of_specserve_counts_drafts():
+    spec = {"drafts": 4.0, "accepted": 6.0, "offered": 20.0, "verified": 12.0}
+    result = summary_row(under_test("specserve", "copyspec"), 1, timings(), 1.0, spec)
+    assert result["mean_acceptance_length"] == 2.5
+    assert (result["drafted_tokens"], result["verified_draft_tokens"]) == (20, 12)
+    plain = summary_row(under_test("specserve", "none"), 1, timings(), 1.0, dict.fromkeys(spec, 0.0))
+    assert (plain["mean_acceptance_length"], plain["drafted_tokens"], plain["verified_draft_tokens"]) == (1.0, 0, 0)
+
+
+def test_ratios_per_concurrency():
+    rows = [row(c, s, d, v) for c, s, d, v in [
+        (1, "specserve", "none", 10.0), (1, "specserve", "copyspec", 15.0), (1, "transformers-serve", "none", 5.0),
+        (16, "specserve", "none", 40.0), (16, "specserve", "copyspec", 80.0), (16, "transformers-serve", "none", 20.0),
+    ]]
+    ratios = {(q["concurrency"], q["numerator"], q["denominator"]): q["ratio"] for q in throughput_ratios(rows)}
+    assert ratios == {
+        (1, "specserve/copyspec", "specserve/none"): 1.5,
+        (1, "specserve/none", "transformers-serve/none"): 2.0,
+        (1, "specserve/copyspec", "transformers-serve/none"): 3.0,
+        (16, "specserve/copyspec", "specserve/none"): 2.0,
+        (16, "specserve/none", "transformers-serve/none"): 2.0,
+        (16, "specserve/copyspec", "transformers-serve/none"): 4.0,
+    }
+
+
+def test_report_files(tmp_path):
+    rows = [row(1, "specserve", "none", 10.0), row(1, "transformers-serve", "none", 5.0),
+            row(2, "specserve", "none", 18.0), row(2, "transformers-serve", "none", 9.0)]
+    write_concurrency_results(rows, "specserve bench concurrency", tmp_path, {"specserve_flags": []})
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["concurrency"], r["server"], r["drafter"]) for r in results["summary"]] == [
+        (1, "specserve", "none"), (1, "transformers-serve", "none"), (2, "specserve", "none"), (2, "transformers-serve", "none")]
+    for r in results["summary"]:
+        assert {"tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", *SPEC_KEYS} <= r.keys()
+    assert [q["ratio"] for q in results["ratios"]] == [2.0, 2.0]
+    markdown = (tmp_path / "results.md").read_text()
+    assert "| 1 | transformers-serve | none | 5.0 |" in markdown and "| – | – | – |" in markdown
+    assert "specserve/none ÷ transformers-serve/none" in markdown and "| 2 | 2.00 |" in markdown
+    assert (tmp_path / "throughput.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_markdown_without_peers_has_no_peer_ratio():
+    text = markdown_report([row(1, "specserve", "none", 10.0)], [], "cmd")
+    assert "÷" not in text
+
+
+def test_peer_kv_blocks_cover_the_largest_level():
+    assert peer_num_blocks([100, 300], 64, 256) == 64 * math.ceil(556 / PEER_PAGE_SIZE) + 1
+    assert peer_num_blocks([10], 1, 16) == PEER_MIN_BLOCKS
+
+
+def test_peer_device_and_dtype_follow_specserve():
+    assert peer_device_and_dtype("cpu", "auto") == ("cpu", "float32")
+    assert peer_device_and_dtype("cuda", "auto") == ("cuda", "bfloat16")
+    assert peer_device_and_dtype("cpu", "bfloat16") == ("cpu", "bfloat16")
+
+
+def test_transformers_serve_command_is_offline_continuous_batching():
+    peer = transformers_serve_under_test("/models/m", "cpu", "float32", 40, 512)
+    assert peer.model == "/models/m"  # transformers serve answers only requests naming the pinned model
+    assert peer.command[3:5] == ["serve", "/models/m"]
+    assert "--continuous-batching" in peer.command
+    flags = dict(zip(peer.command[5::1], peer.command[6::1]))
+    assert flags["--cb-num-blocks"] == "40" and flags["--cb-max-batch-tokens"] == "512" and flags["--device"] == "cpu"
+    assert peer.env == PEER_ENV and peer.env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_a_plain_model_directory_is_served_as_it_is(tmp_path):
+    assert transformers_model_dir(ModelSource("m", str(tmp_path))) == str(tmp_path)
+
+
+def test_start_process_adds_env_and_a_peer_without_metrics_has_no_counters(tmp_path):
+    """A stand-in server: /health is a file, so it answers 200; /metrics does not exist."""
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "health").write_text("ok")
+    port = free_port()
+    script = "import os, sys; open(sys.argv[1], 'w').write(os.environ['SPECSERVE_TEST_ENV']); " \
+             "import runpy; sys.argv = ['http.server', '--bind', '127.0.0.1', '--directory', sys.argv[2], sys.argv[3]]; " \
+             "runpy.run_module('http.server', run_name='__main__')"
+    command = [sys.executable, "-c", script, str(tmp_path / "env"), str(root), str(port)]
+    server = start_process(command, port, tmp_path, deadline_s=30, env={"SPECSERVE_TEST_ENV": "seen"})
+    try:
+        assert (tmp_path / "env").read_text() == "seen"
+        assert scrape_spec_counters(server) is None
+    finally:
+        stop_server(server)
+    assert server.process.poll() is not None
+
+
+@pytest.mark.parametrize("fraction, expected", [(0.5, 2.0), (0.99, 4.0), (0.0, 1.0)])
+def test_percentile_is_nearest_rank(fraction, expected):
+    from bench.concurrency import percentile
+
+    assert percentile([1.0, 2.0, 3.0, 4.0], fraction) == expected
+
+
+def test_a_gguf_is_dequantized_once_per_file_version(tmp_path, monkeypatch):
+    import bench.concurrency as concurrency
+
+    gguf = tmp_path / "models" / "tiny.Q4_1.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF v1")
+    calls = []
+
+    def fake_save(source, directory):
+        calls.append(source.gguf_file)
+        directory.mkdir(parents=True)
+        (directory / "config.json").write_text("{}")
+
+    monkeypatch.setattr(concurrency, "save_dequantized", fake_save)
+    source = ModelSource("tiny", str(gguf.parent), gguf.name)
+    first = transformers_model_dir(source, tmp_path / "cache")
+    assert first == str(tmp_path / "cache" / "tiny.Q4_1") and (tmp_path / "cache" / "tiny.Q4_1" / "config.json").is_file()
+    assert transformers_model_dir(source, tmp_path / "cache") == first and len(calls) == 1
+    gguf.write_bytes(b"GGUF v2, another size")
+    assert transformers_model_dir(source, tmp_path / "cache") == first and len(calls) == 2
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["tiny.Q4_1"]
