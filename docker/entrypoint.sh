@@ -1,14 +1,16 @@
 #!/bin/sh
 # Starts `specserve serve` with flags taken from SPECSERVE_* environment variables (see README.md).
+# Arguments given to the container (`docker run IMAGE --copy-gamma 4`) come last, so they win.
 set -eu
+[ -n "${SPECSERVE_SERVED_MODEL_NAME:-}" ] && set -- --served-model-name "$SPECSERVE_SERVED_MODEL_NAME" "$@"
+[ -n "${SPECSERVE_MAX_WAITING:-}" ] && set -- --max-waiting "$SPECSERVE_MAX_WAITING" "$@"
+[ -n "${SPECSERVE_MAX_NUM_SEQS:-}" ] && set -- --max-num-seqs "$SPECSERVE_MAX_NUM_SEQS" "$@"
+[ -n "${SPECSERVE_MAX_MODEL_LEN:-}" ] && set -- --max-model-len "$SPECSERVE_MAX_MODEL_LEN" "$@"
+[ -n "${SPECSERVE_NUM_THREADS:-}" ] && set -- --num-threads "$SPECSERVE_NUM_THREADS" "$@"
+[ -n "${SPECSERVE_DTYPE:-}" ] && set -- --dtype "$SPECSERVE_DTYPE" "$@"
+[ -n "${SPECSERVE_DEVICE:-}" ] && set -- --device "$SPECSERVE_DEVICE" "$@"
+[ -n "${SPECSERVE_DRAFTER:-}" ] && set -- --drafter "$SPECSERVE_DRAFTER" "$@"
+[ -n "${SPECSERVE_MODEL:-}" ] && set -- --model "$SPECSERVE_MODEL" "$@"
 set -- serve --host "${SPECSERVE_HOST:-0.0.0.0}" --port "${SPECSERVE_PORT:-8000}" "$@"
-[ -n "${SPECSERVE_MODEL:-}" ] && set -- "$@" --model "$SPECSERVE_MODEL"
-[ -n "${SPECSERVE_DRAFTER:-}" ] && set -- "$@" --drafter "$SPECSERVE_DRAFTER"
-[ -n "${SPECSERVE_DEVICE:-}" ] && set -- "$@" --device "$SPECSERVE_DEVICE"
-[ -n "${SPECSERVE_DTYPE:-}" ] && set -- "$@" --dtype "$SPECSERVE_DTYPE"
-[ -n "${SPECSERVE_MAX_MODEL_LEN:-}" ] && set -- "$@" --max-model-len "$SPECSERVE_MAX_MODEL_LEN"
-[ -n "${SPECSERVE_MAX_NUM_SEQS:-}" ] && set -- "$@" --max-num-seqs "$SPECSERVE_MAX_NUM_SEQS"
-[ -n "${SPECSERVE_MAX_WAITING:-}" ] && set -- "$@" --max-waiting "$SPECSERVE_MAX_WAITING"
-[ -n "${SPECSERVE_SERVED_MODEL_NAME:-}" ] && set -- "$@" --served-model-name "$SPECSERVE_SERVED_MODEL_NAME"
 # SPECSERVE_API_KEY is read by specserve itself, so the key never shows in the process list.
 exec specserve "$@"

@@ -1,7 +1,14 @@
 """Prometheus metrics, owned by the server process and fed by the engine's per-step outputs.
 
 Names follow vLLM's (prefix `specserve:`) so existing queries port; every series
-carries `model_name`, and the speculative ones a `drafter` label.
+carries `model_name`, and the speculative ones a `drafter` label. Series without
+other labels are created at start-up, so they export 0 before the first request
+(dashboards and alerts then see the server, not an absent series).
+
+KV-pool use, preemptions and the session-cache series are read from `StepStats` fields
+that engines may not send yet (`kv_cache_usage`, `num_preemptions`, `session_hits`,
+`session_misses`, `session_reused_tokens`, `session_evictions`, `num_sessions`): a
+missing field reads as 0, so those series stay 0 until the engine fills them.
 """
 from __future__ import annotations
 
@@ -21,6 +28,8 @@ class ServerMetrics:
         self.model_name = model_name
         self._define_serving_metrics()
         self._define_spec_metrics()
+        self._define_session_metrics()
+        self._export_zero_series()
 
     def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
         return Counter(PREFIX + name, doc, ("model_name", *labels), registry=self.registry)
@@ -42,6 +51,8 @@ class ServerMetrics:
         self.generation_tokens = self._counter("generation_tokens_total", "Generated tokens")
         self.requests = self._counter("request_success_total", "Finished requests by finish reason", ("finished_reason",))
         self.step_seconds = self._histogram("engine_step_seconds", "Seconds per engine step")
+        self.kv_cache_usage = self._gauge("kv_cache_usage_perc", "Fraction (0 to 1) of the paged KV pool in use")
+        self.preemptions = self._counter("num_preemptions_total", "Running requests sent back to the queue")
 
     def _define_spec_metrics(self) -> None:
         d = ("drafter",)
@@ -57,6 +68,26 @@ class ServerMetrics:
         self.planned_seconds = self._counter("planner_predicted_seconds_total", "Forward seconds the latency model predicted")
         self.step_tokens = self._counter("engine_step_tokens_total", "Tokens the engine's steps yielded")
 
+    def _define_session_metrics(self) -> None:
+        self.session_hits = self._counter("session_cache_hits_total", "Requests that found their session cached")
+        self.session_misses = self._counter("session_cache_misses_total", "Requests that found no cached session")
+        self.session_reused_tokens = self._counter(
+            "session_cache_reused_prefix_tokens_total", "Prompt tokens whose KV came from a cached session (prefill saved)"
+        )
+        self.session_evictions = self._counter("session_cache_evictions_total", "Cached sessions evicted")
+        self.num_sessions = self._gauge("session_cache_num_sessions", "Sessions held in the session cache")
+
+    def _export_zero_series(self) -> None:
+        """Create every series that has no label besides model_name, so it exports 0 from the start."""
+        m = self.model_name
+        for metric in (
+            self.num_requests_running, self.num_requests_waiting, self.engine_healthy, self.kv_cache_usage,
+            self.preemptions, self.ttft, self.itl, self.e2e, self.step_seconds, self.prompt_tokens, self.generation_tokens,
+            self.offered, self.verified, self.planned_tokens, self.planned_seconds, self.step_tokens,
+            self.session_hits, self.session_misses, self.session_reused_tokens, self.session_evictions, self.num_sessions,
+        ):
+            metric.labels(m)
+
     # --- engine steps -------------------------------------------------------------------
     def observe_step(self, stats: StepStats) -> None:
         m = self.model_name
@@ -69,12 +100,24 @@ class ServerMetrics:
         self.planned_tokens.labels(m).inc(stats.planned_tokens)
         self.planned_seconds.labels(m).inc(stats.planned_seconds)
         self.step_tokens.labels(m).inc(stats.num_generated_tokens)
+        self._observe_cache_stats(stats)
         for drafter, spec in stats.spec_by_drafter.items():
             self.num_drafts.labels(m, drafter).inc(spec.num_drafts)
             self.num_draft_tokens.labels(m, drafter).inc(spec.num_draft_tokens)
             self.num_accepted.labels(m, drafter).inc(spec.num_accepted_tokens)
             for position, count in enumerate(spec.num_accepted_per_position):
                 self.accepted_per_pos.labels(m, drafter, str(position)).inc(count)
+
+    def _observe_cache_stats(self, stats: StepStats) -> None:
+        """KV-pool, preemption and session-cache fields; an engine that does not send them yet reads as 0."""
+        m = self.model_name
+        self.kv_cache_usage.labels(m).set(getattr(stats, "kv_cache_usage", 0.0))
+        self.preemptions.labels(m).inc(getattr(stats, "num_preemptions", 0))
+        self.session_hits.labels(m).inc(getattr(stats, "session_hits", 0))
+        self.session_misses.labels(m).inc(getattr(stats, "session_misses", 0))
+        self.session_reused_tokens.labels(m).inc(getattr(stats, "session_reused_tokens", 0))
+        self.session_evictions.labels(m).inc(getattr(stats, "session_evictions", 0))
+        self.num_sessions.labels(m).set(getattr(stats, "num_sessions", 0))
 
     def set_engine_healthy(self, healthy: bool) -> None:
         self.engine_healthy.labels(self.model_name).set(1 if healthy else 0)

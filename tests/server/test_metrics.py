@@ -45,3 +45,33 @@ def test_engine_health_gauge():
     assert sample(metrics, "engine_healthy") == 1
     metrics.set_engine_healthy(False)
     assert sample(metrics, "engine_healthy") == 0
+
+
+def test_series_without_extra_labels_export_zero_before_any_step():
+    metrics = ServerMetrics(MODEL)
+    for name in ("kv_cache_usage_perc", "num_preemptions_total", "session_cache_hits_total", "session_cache_misses_total",
+                 "session_cache_reused_prefix_tokens_total", "session_cache_evictions_total", "session_cache_num_sessions",
+                 "engine_healthy", "generation_tokens_total", "time_to_first_token_seconds_count"):
+        assert sample(metrics, name) == 0, name
+
+
+def test_kv_and_session_fields_feed_their_series_when_the_engine_sends_them():
+    class FutureStepStats(StepStats):  # an engine that already sends the KV and session fields
+        kv_cache_usage: float = 0.25
+        num_preemptions: int = 1
+        session_hits: int = 2
+        session_misses: int = 1
+        session_reused_tokens: int = 40
+        session_evictions: int = 1
+        num_sessions: int = 3
+
+    metrics = ServerMetrics(MODEL)
+    metrics.observe_step(FutureStepStats())
+    metrics.observe_step(FutureStepStats())
+    assert sample(metrics, "kv_cache_usage_perc") == 0.25
+    assert sample(metrics, "num_preemptions_total") == 2
+    assert sample(metrics, "session_cache_hits_total") == 4
+    assert sample(metrics, "session_cache_misses_total") == 2
+    assert sample(metrics, "session_cache_reused_prefix_tokens_total") == 80
+    assert sample(metrics, "session_cache_evictions_total") == 2
+    assert sample(metrics, "session_cache_num_sessions") == 3

@@ -1,0 +1,122 @@
+"""The Dockerfiles pass hadolint; each image runs docker/entrypoint.sh, which starts the same `specserve serve`
+command line the tests start (bench/server_process.py), with flags from SPECSERVE_* variables; compose wires
+the three services together. Images are not built here (no registry for base images)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+
+import pytest
+import yaml
+
+from bench.server_process import specserve_command
+from server.cli import build_parser
+from tests.deploy.tools import COMPOSE, DOCKER, DOCKERFILES, ENTRYPOINT, K8S, REPO, venv_tool
+
+IMAGE_ENTRYPOINT = "/usr/local/bin/specserve-entrypoint"
+ENV_FLAGS = {  # SPECSERVE_* variable -> (a value, the flag it sets): every variable the entrypoint reads
+    "SPECSERVE_MODEL": ("/models/m.gguf", "--model"),
+    "SPECSERVE_DRAFTER": ("none", "--drafter"),
+    "SPECSERVE_DEVICE": ("cpu", "--device"),
+    "SPECSERVE_DTYPE": ("float32", "--dtype"),
+    "SPECSERVE_NUM_THREADS": ("2", "--num-threads"),
+    "SPECSERVE_MAX_MODEL_LEN": ("2048", "--max-model-len"),
+    "SPECSERVE_MAX_NUM_SEQS": ("4", "--max-num-seqs"),
+    "SPECSERVE_MAX_WAITING": ("64", "--max-waiting"),
+    "SPECSERVE_SERVED_MODEL_NAME": ("smol", "--served-model-name"),
+}
+
+
+def entrypoint_argv(tmp_path, env: dict[str, str], *args: str) -> list[str]:
+    """What docker/entrypoint.sh hands to `specserve`, caught by a stand-in that prints its arguments."""
+    fake = tmp_path / "specserve"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
+    fake.chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SPECSERVE_")}
+    done = subprocess.run(["sh", str(ENTRYPOINT), *args], env={**clean, **env, "PATH": f"{tmp_path}:{os.environ['PATH']}"},
+                          capture_output=True, text=True, timeout=30, check=True)
+    return done.stdout.splitlines()
+
+
+def instructions(dockerfile) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", "\n".join(l for l in dockerfile.read_text().splitlines() if not l.lstrip().startswith("#")))
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in text.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_passes_hadolint(dockerfile):
+    """Every hadolint finding fails (default threshold: info); rules ignored inline say why."""
+    done = subprocess.run([venv_tool("hadolint"), "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_entrypoint_runs_the_command_the_tests_start(tmp_path):
+    port = 8123
+    env = {"SPECSERVE_HOST": "127.0.0.1", "SPECSERVE_PORT": str(port), "SPECSERVE_DRAFTER": "copyspec"}
+    tests_command = specserve_command(port, "--drafter", "copyspec")
+    assert tests_command[1:4] == ["-m", "server.cli", "serve"]
+    assert entrypoint_argv(tmp_path, env) == tests_command[3:]  # the entrypoint execs the `specserve` script...
+    script = re.search(r'^specserve = "(.+)"$', (REPO / "pyproject.toml").read_text(), re.M)
+    assert script and script.group(1) == "server.cli:main"  # ...which is server.cli's main, as `python -m server.cli` runs it
+
+
+def test_entrypoint_defaults_listen_on_all_interfaces_port_8000(tmp_path):
+    assert entrypoint_argv(tmp_path, {}) == ["serve", "--host", "0.0.0.0", "--port", "8000"]
+
+
+def test_every_specserve_variable_sets_a_flag_that_specserve_serve_accepts(tmp_path):
+    env = {name: value for name, (value, _) in ENV_FLAGS.items()}
+    argv = entrypoint_argv(tmp_path, env, "--copy-gamma", "4")
+    for name, (value, flag) in ENV_FLAGS.items():
+        assert argv[argv.index(flag) + 1] == value, name
+    assert argv[-2:] == ["--copy-gamma", "4"]  # `docker run IMAGE ARGS...` appends flags
+    build_parser().parse_args(argv)  # exits on an unknown flag or a bad value
+    read = set(re.findall(r"\bSPECSERVE_[A-Z_]+", ENTRYPOINT.read_text()))
+    assert read == set(ENV_FLAGS) | {"SPECSERVE_HOST", "SPECSERVE_PORT", "SPECSERVE_API_KEY"}
+
+
+def test_readme_documents_every_specserve_variable():
+    readme = (REPO / "README.md").read_text()
+    for name in set(ENV_FLAGS) | {"SPECSERVE_HOST", "SPECSERVE_PORT", "SPECSERVE_API_KEY"}:
+        assert f"`{name}`" in readme, name
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_image_runs_the_entrypoint_as_a_non_root_user_with_a_health_check(dockerfile):
+    steps = instructions(dockerfile)
+    assert ("COPY", f"docker/entrypoint.sh {IMAGE_ENTRYPOINT}") in steps
+    entrypoints = [json.loads(args) for kind, args in steps if kind == "ENTRYPOINT"]
+    assert entrypoints == [[IMAGE_ENTRYPOINT]] and not [s for s in steps if s[0] == "CMD"]
+    users = [args for kind, args in steps if kind == "USER"]
+    assert users and users[-1].isdigit() and int(users[-1]) != 0  # numeric, so runAsNonRoot can check it
+    (health,) = [args for kind, args in steps if kind == "HEALTHCHECK"]
+    assert "/health" in health and "SPECSERVE_PORT" in health
+    assert ("EXPOSE", "8000") in steps
+    assert os.access(ENTRYPOINT, os.X_OK)
+    subprocess.run(["sh", "-n", str(ENTRYPOINT)], check=True)
+
+
+def test_kubernetes_deployment_sets_only_variables_the_entrypoint_reads():
+    deployment = yaml.safe_load((K8S / "deployment.yaml").read_text())
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    read = set(re.findall(r"\bSPECSERVE_[A-Z_]+", ENTRYPOINT.read_text()))
+    assert {e["name"] for e in container["env"]} <= read
+    assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 10001
+    assert "args" not in container and "command" not in container  # the image's entrypoint runs unchanged
+
+
+def test_compose_builds_the_cpu_image_and_prometheus_scrapes_it():
+    compose = yaml.safe_load(COMPOSE.read_text())
+    services = compose["services"]
+    assert (DOCKER / services["specserve"]["build"]["context"] / services["specserve"]["build"]["dockerfile"]).exists()
+    for service in services.values():
+        for volume in service.get("volumes", []):
+            assert (DOCKER / volume.split(":")[0]).exists(), volume
+    config = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
+    (target,) = config["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert target == "specserve:8000" and "127.0.0.1:8000:8000" in services["specserve"]["ports"]
+    assert shlex.split(" ".join(services["prometheus"]["command"]))[0] == "--config.file=/etc/prometheus/prometheus.yml"

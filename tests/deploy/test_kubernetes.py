@@ -1,0 +1,98 @@
+"""deploy/k8s renders with kustomize, and the rendered objects validate offline: the built-in kinds against the
+Kubernetes OpenAPI schemas (kubernetes-validate, strict: unknown fields fail) of the oldest and newest versions it
+ships; the prometheus-operator kinds against tests/deploy/crd_schemas.py; and the objects point at each other
+(selectors, named ports, probe paths, scale target, the metric the autoscaler reads, session-affinity hashing)."""
+from __future__ import annotations
+
+import subprocess
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate import utils as kv_utils
+from packaging.version import Version
+
+from tests.deploy.crd_schemas import CRD_SCHEMAS
+from tests.deploy.tools import K8S, RULES, venv_tool
+
+BUILT_IN_KINDS = {"Deployment", "Service", "Ingress", "HorizontalPodAutoscaler"}
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
+VERSIONS = (min(kv_utils.all_versions(), key=Version), kv_utils.latest_version())
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, dict]:
+    done = subprocess.run([venv_tool("kubectl"), "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    objects = [o for o in yaml.safe_load_all(done.stdout) if o]
+    by_kind = {o["kind"]: o for o in objects}
+    assert len(by_kind) == len(objects) and set(by_kind) == BUILT_IN_KINDS | CRD_KINDS
+    return by_kind
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("kind", sorted(BUILT_IN_KINDS))
+def test_built_in_kinds_validate_against_the_kubernetes_schemas(rendered, kind, version):
+    kubernetes_validate.validate(rendered[kind], version, strict=True)  # raises ValidationError
+
+
+@pytest.mark.parametrize("kind", sorted(CRD_KINDS))
+def test_prometheus_operator_kinds_validate_against_their_crd_schemas(rendered, kind):
+    with pytest.raises(kubernetes_validate.SchemaNotFoundError):  # no schema there: ours is needed
+        kubernetes_validate.validate(rendered[kind], VERSIONS[-1], strict=True)
+    obj = rendered[kind]
+    jsonschema.validate(obj, CRD_SCHEMAS[(obj["apiVersion"], kind)])
+
+
+def pod_labels(rendered) -> dict:
+    return rendered["Deployment"]["spec"]["template"]["metadata"]["labels"]
+
+
+def container(rendered) -> dict:
+    (only,) = rendered["Deployment"]["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def test_deployment_selects_its_pods_requests_a_gpu_and_probes_health(rendered):
+    spec = rendered["Deployment"]["spec"]
+    assert spec["selector"]["matchLabels"].items() <= pod_labels(rendered).items()
+    c = container(rendered)
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    port_names = {p["name"] for p in c["ports"]}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["path"] == "/health" and c[probe]["httpGet"]["port"] in port_names, probe
+    assert spec["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_service_reaches_the_pods_and_the_service_monitor_scrapes_it(rendered):
+    service = rendered["Service"]
+    assert service["spec"]["selector"].items() <= pod_labels(rendered).items()
+    assert {p["targetPort"] for p in service["spec"]["ports"]} <= {p["name"] for p in container(rendered)["ports"]}
+    monitor = rendered["ServiceMonitor"]["spec"]
+    assert monitor["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert {e["port"] for e in monitor["endpoints"]} <= {p["name"] for p in service["spec"]["ports"]}
+    assert all(e["path"] == "/metrics" for e in monitor["endpoints"])
+
+
+def test_ingress_hashes_on_the_session_header_to_the_service(rendered):
+    ingress = rendered["Ingress"]
+    assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"] == "$http_x_session_id"
+    backends = [p["backend"]["service"] for r in ingress["spec"]["rules"] for p in r["http"]["paths"]]
+    service = rendered["Service"]
+    assert backends and all(b["name"] == service["metadata"]["name"] for b in backends)
+    assert {b["port"]["name"] for b in backends} <= {p["name"] for p in service["spec"]["ports"]}
+
+
+def test_autoscaler_scales_the_deployment_on_queue_depth(rendered):
+    hpa = rendered["HorizontalPodAutoscaler"]["spec"]
+    deployment = rendered["Deployment"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": deployment["apiVersion"], "kind": "Deployment",
+                                     "name": deployment["metadata"]["name"]}
+    (metric,) = hpa["metrics"]
+    # prometheus-adapter exposes specserve:num_requests_waiting under this name (':' is not allowed there)
+    assert metric["pods"]["metric"]["name"] == "specserve_num_requests_waiting"
+
+
+def test_prometheus_rule_carries_the_alert_rules_file(rendered):
+    assert rendered["PrometheusRule"]["spec"] == yaml.safe_load(RULES.read_text())

