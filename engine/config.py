@@ -7,6 +7,7 @@ from drafters.config import SpecConfig
 from scheduler.config import SchedulerConfig
 
 DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -30,7 +31,23 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class CacheConfig:
+    kv_cache_memory_gib: float = 2.0  # memory of the paged KV pool, allocated at start-up
+    block_size: int | None = None  # positions per KV block; None = 16, or 256 for flash-attn
+    attention_backend: str = "auto"  # auto | sdpa | flash (flash-attn on CUDA, when installed)
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError("kv_cache_memory_gib must be positive")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError("block_size must be at least 1")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)

@@ -1,4 +1,4 @@
-"""The engine: one `step()` schedules, runs one forward per request, verifies, updates and drafts."""
+"""The engine: one `step()` schedules, runs one packed forward, verifies, updates and drafts."""
 from __future__ import annotations
 
 import time
@@ -6,15 +6,19 @@ import time
 import torch
 
 from drafters.registry import build_drafter
-from engine.config import EngineConfig
-from engine.model_loader import load_model
+from engine.config import CacheConfig, EngineConfig
+from engine.model_loader import LoadedModel, load_model
+from engine.packed_runner import ForwardItem, PackedModelRunner
+from engine.paged_attention import FLASH_BLOCK_SIZE, PagedKVPool, resolve_attention_backend
 from engine.profiler import profile_forward_latency
-from engine.runner import ModelRunner
 from engine.sampler import Verifier
-from engine.wire import EngineOutputs, EngineReady, EngineRequest, RequestOutput, StepStats
+from engine.wire import EngineOutputs, EngineReady, EngineRequest, RequestOutput
+from scheduler.kv_blocks import KVBlockManager
 from scheduler.latency import LatencyModel
 from scheduler.request import Request
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import Scheduler, ScheduledRequest
+
+DEFAULT_BLOCK_SIZE = 16
 
 
 class Engine:
@@ -24,13 +28,15 @@ class Engine:
         torch.manual_seed(config.model.seed)
         loaded = load_model(config.model)
         self.model_name = loaded.source.name
-        self.max_model_len = loaded.max_model_len
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = loaded.model.config.vocab_size
-        self.runner = ModelRunner(loaded)
-        self.latency_profile = profile_forward_latency(self.runner, self.vocab_size, self.max_model_len)  # s by num tokens
+        backend = resolve_attention_backend(config.cache.attention_backend, loaded.device)
+        pool, blocks = _allocate_kv_pool(loaded, config.cache, backend)
+        self.max_model_len = min(loaded.max_model_len, blocks.num_blocks * blocks.block_size)
+        self.runner = PackedModelRunner(loaded.model, loaded.device, pool, backend)
+        self.latency_profile = profile_forward_latency(self.runner, blocks, self.vocab_size, self.max_model_len)  # s by num tokens
         self.scheduler = Scheduler(
-            config.scheduler, self.max_model_len, self.eos_token_ids, LatencyModel(self.latency_profile)
+            config.scheduler, self.max_model_len, self.eos_token_ids, blocks, LatencyModel(self.latency_profile)
         )
         self.drafter = build_drafter(config.spec)
         self.verifier = Verifier()
@@ -41,6 +47,8 @@ class Engine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             latency_ms_by_num_tokens={n: s * 1000 for n, s in self.latency_profile.items()},
+            num_kv_blocks=self.scheduler.blocks.num_blocks,
+            kv_block_size=self.scheduler.blocks.block_size,
         )
 
     # --- requests in ----------------------------------------------------------------------
@@ -82,9 +90,11 @@ class Engine:
     def step(self) -> EngineOutputs:
         start = time.perf_counter()
         sched_out = self.scheduler.schedule()
-        logits = self.runner.execute(sched_out.scheduled)
+        items = [_forward_item(item) for item in sched_out.scheduled]
+        logits = self.runner.execute(items, self.scheduler.blocks) if items else []
         sampled = [
             self.verifier.verify(item.req.request_id, item.req.sampling, item_logits, item.draft_token_ids)
+            if item.num_logits else []
             for item, item_logits in zip(sched_out.scheduled, logits)
         ]
         outputs, stats = self.scheduler.update(sched_out, sampled)
@@ -92,20 +102,39 @@ class Engine:
         stats.step_seconds = time.perf_counter() - start
         return EngineOutputs(outputs=outputs, stats=stats)
 
-    def _after_update(self, scheduled: list, outputs: list[RequestOutput]) -> None:
-        running = []
-        for item, output in zip(scheduled, outputs):
-            if item.req.is_finished:
-                self._release(item.req)
-            else:
-                running.append(item.req)
-                if self.drafter:
-                    self.drafter.extend(item.req, output.new_token_ids)
-        if self.drafter and running:
-            self.scheduler.set_drafts(running, self.drafter.propose(running))
+    def _after_update(self, scheduled: list[ScheduledRequest], outputs: list[RequestOutput]) -> None:
+        by_id = {item.req.request_id: item.req for item in scheduled}
+        for output in outputs:
+            req = by_id[output.request_id]
+            if req.is_finished:
+                self._release(req)
+            elif self.drafter:
+                self.drafter.extend(req, output.new_token_ids)
+        decoding = [req for req in self.scheduler.running if req.num_uncomputed_tokens == 1]
+        if self.drafter and decoding:
+            self.scheduler.set_drafts(decoding, self.drafter.propose(decoding))
 
     def _release(self, req: Request) -> None:
-        self.runner.free(req.request_id)
         self.verifier.finish(req.request_id)
         if self.drafter:
             self.drafter.finish(req)
+
+
+def _forward_item(item: ScheduledRequest) -> ForwardItem:
+    return ForwardItem(item.req.request_id, item.input_token_ids, item.req.num_computed_tokens, item.num_logits)
+
+
+def _allocate_kv_pool(loaded: LoadedModel, cache: CacheConfig, backend: str) -> tuple[PagedKVPool, KVBlockManager]:
+    """The paged pool sized from the memory budget, and the block manager that hands out its blocks."""
+    config = loaded.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shape = (config.num_hidden_layers, config.num_key_value_heads, head_dim)
+    dtype = next(loaded.model.parameters()).dtype
+    block_size = cache.block_size or (FLASH_BLOCK_SIZE if backend == "flash" else DEFAULT_BLOCK_SIZE)
+    if backend == "flash" and block_size % FLASH_BLOCK_SIZE:
+        raise ValueError(f"the flash attention backend needs a block size that is a multiple of {FLASH_BLOCK_SIZE}")
+    num_blocks = int(cache.kv_cache_memory_gib * 2**30) // (PagedKVPool.bytes_per_slot(*shape, dtype) * block_size)
+    if num_blocks * block_size < 64:
+        raise ValueError(f"--kv-cache-memory {cache.kv_cache_memory_gib} GiB holds fewer than 64 positions of this model")
+    pool = PagedKVPool(shape[0], num_blocks * block_size, shape[1], shape[2], dtype, loaded.device)
+    return pool, KVBlockManager(num_blocks, block_size)

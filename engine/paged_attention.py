@@ -1,10 +1,17 @@
 """Paged KV pool and the attention function of a packed, ragged forward.
 
-All running requests' new tokens travel in one sequence `[1, total_new_tokens]`.
+All scheduled requests' new tokens travel in one sequence `[1, total_new_tokens]`.
 Each layer writes its new keys and values into the shared pool at the slots the
-scheduler's block tables give, then attends, request by request, over that
-request's own slots. Registered through transformers' public AttentionInterface,
-so the model code itself stays transformers'.
+scheduler's block tables give, then attends, for every request, over that request's
+own positions in the pool. Registered through transformers' public
+AttentionInterface, so the model code itself stays transformers'.
+
+Two backends, chosen at start-up:
+- `sdpa` (CPU and CUDA): requests are grouped; each group's keys and values are
+  gathered from the pool and attended with one `scaled_dot_product_attention` call
+  (decoding requests together, each long prefill chunk on its own);
+- `flash` (CUDA with flash-attn installed): one `flash_attn_varlen_func` call reads
+  the pool through the block tables directly; imported lazily.
 """
 from __future__ import annotations
 
@@ -15,6 +22,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ATTENTION_NAME = "specserve_paged"
+FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs blocks of a multiple of 256 positions
+MAX_GROUPED_QUERY_LEN = 16  # requests with at most this many new tokens share one padded attention call
 
 
 class PagedKVPool:
@@ -34,9 +43,16 @@ class PagedKVPool:
         self.keys[layer, slots] = key[0].transpose(0, 1)
         self.values[layer, slots] = value[0].transpose(0, 1)
 
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """slots: [n] -> keys and values [1, kv_heads, n, head_dim]."""
-        return self.keys[layer, slots].transpose(0, 1)[None], self.values[layer, slots].transpose(0, 1)[None]
+
+@dataclass
+class AttentionGroup:
+    """Requests attended with one padded SDPA call: R requests, up to Q new tokens, up to L positions each."""
+
+    query_index: torch.Tensor  # [R, Q] packed index of each padded query (padding repeats a real one)
+    kv_slots: torch.Tensor  # [R, L] pool slots of each request's positions (padding points at slot 0)
+    mask: torch.Tensor | None  # [R, 1, Q, L] True where a query may look; None when R == Q == 1
+    valid: torch.Tensor  # [n] flat indices into [R * Q] of the real queries, in packed order
+    packed_index: torch.Tensor  # [n] packed index of those queries
 
 
 @dataclass
@@ -44,17 +60,74 @@ class PackedBatch:
     """Where each request's tokens sit in the packed sequence and in the pool."""
 
     pool: PagedKVPool
-    query_starts: list[int]  # [num_reqs + 1] offsets of each request's new tokens in the packed sequence
     write_slots: torch.Tensor  # [total_new_tokens] pool slots of the new tokens
-    read_slots: list[torch.Tensor]  # per request: [context_len] slots of all its positions, new ones included
+    groups: list[AttentionGroup]  # sdpa backend
+    flash: FlashMetadata | None = None  # flash backend
 
 
-def causal_offset_mask(num_queries: int, context_len: int, device: torch.device) -> torch.Tensor | None:
-    """[num_queries, context_len] True where query i (position context_len - num_queries + i) may look."""
-    if num_queries == 1:
-        return None  # the last position sees everything
-    query_positions = torch.arange(context_len - num_queries, context_len, device=device)[:, None]
-    return torch.arange(context_len, device=device)[None, :] <= query_positions
+@dataclass
+class FlashMetadata:
+    cu_seqlens_q: torch.Tensor  # [R + 1] int32 offsets of each request's new tokens
+    cu_seqlens_k: torch.Tensor  # [R + 1] int32 offsets of each request's positions
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_table: torch.Tensor  # [R, max blocks] int32
+
+
+def build_group(
+    query_starts: list[int], query_lens: list[int], context_lens: list[int], tables: list[list[int]], block_size: int, device: torch.device
+) -> AttentionGroup:
+    """The padded attention call of R requests: request r's queries are the last query_lens[r] of context_lens[r] positions."""
+    num_reqs, max_q, max_len = len(query_lens), max(query_lens), max(context_lens)
+    offsets = torch.arange(max_q)
+    starts, q_lens, ctx_lens = torch.tensor(query_starts), torch.tensor(query_lens), torch.tensor(context_lens)
+    real = offsets[None, :] < q_lens[:, None]  # [R, Q]
+    query_index = starts[:, None] + torch.where(real, offsets[None, :], 0)
+    max_blocks = -(-max_len // block_size)
+    table = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables])  # [R, max_blocks]
+    kv_slots = (table[:, :, None] * block_size + torch.arange(block_size)).reshape(num_reqs, -1)[:, :max_len]
+    query_positions = ctx_lens[:, None] - q_lens[:, None] + offsets[None, :]  # [R, Q]
+    mask = torch.arange(max_len)[None, None, :] <= query_positions[:, :, None]  # [R, Q, L]
+    mask = None if num_reqs == max_q == 1 else mask[:, None].to(device)
+    return AttentionGroup(
+        query_index.to(device), kv_slots.to(device), mask, real.flatten().nonzero()[:, 0].to(device), query_index[real].to(device)
+    )
+
+
+def _sdpa_groups(query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float | None) -> torch.Tensor:
+    """query [1, heads, total, head_dim] -> [total, heads, head_dim]."""
+    packed_query = query[0].transpose(0, 1)  # [total, heads, head_dim]
+    out = torch.empty_like(packed_query)
+    keys, values = batch.pool.keys[layer], batch.pool.values[layer]
+    for group in batch.groups:
+        num_reqs, max_q = group.query_index.shape
+        q = packed_query[group.query_index].transpose(1, 2)  # [R, heads, Q, head_dim]
+        k = keys[group.kv_slots].transpose(1, 2)  # [R, kv_heads, L, head_dim]
+        v = values[group.kv_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling, enable_gqa=True)
+        o = o.transpose(1, 2).reshape(num_reqs * max_q, *o.shape[1:2], o.shape[-1])  # [R * Q, heads, head_dim]
+        out[group.packed_index] = o[group.valid]
+    return out
+
+
+def _flash(query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float | None) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func  # CUDA only; CPU installs never import it
+
+    meta, pool = batch.flash, batch.pool
+    num_slots, kv_heads, head_dim = pool.keys.shape[1:]
+    shape = (num_slots // FLASH_BLOCK_SIZE, FLASH_BLOCK_SIZE, kv_heads, head_dim)
+    return flash_attn_varlen_func(
+        query[0].transpose(0, 1),  # [total, heads, head_dim]
+        pool.keys[layer].view(shape),
+        pool.values[layer].view(shape),
+        cu_seqlens_q=meta.cu_seqlens_q,
+        cu_seqlens_k=meta.cu_seqlens_k,
+        max_seqlen_q=meta.max_seqlen_q,
+        max_seqlen_k=meta.max_seqlen_k,
+        softmax_scale=scaling,
+        causal=True,  # aligned to the bottom right: query i of q sees the first L - q + i + 1 positions
+        block_table=meta.block_table,
+    )
 
 
 def paged_attention_forward(
@@ -71,15 +144,28 @@ def paged_attention_forward(
     """query [1, heads, total, head_dim]; key, value [1, kv_heads, total, head_dim] -> [1, total, heads, head_dim]."""
     if packed_batch is None:
         raise ValueError(f"{ATTENTION_NAME} attention needs a packed_batch argument")
-    layer, starts = module.layer_idx, packed_batch.query_starts
+    layer = module.layer_idx
     packed_batch.pool.write(layer, key, value, packed_batch.write_slots)
-    outputs = []
-    for r, slots in enumerate(packed_batch.read_slots):
-        q = query[:, :, starts[r]:starts[r + 1]]
-        k, v = packed_batch.pool.read(layer, slots)
-        mask = causal_offset_mask(q.shape[2], k.shape[2], q.device)
-        outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True))
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+    attend = _flash if packed_batch.flash is not None else _sdpa_groups
+    return attend(query, layer, packed_batch, scaling)[None], None
+
+
+def flash_attn_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_attention_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "flash" if flash_attn_available(device) else "sdpa"
+    if backend == "flash" and not flash_attn_available(device):
+        raise RuntimeError("--attention-backend flash needs a CUDA device and the flash-attn package")
+    return backend
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

@@ -1,4 +1,4 @@
-"""Start-up profile of forward latency against the number of tokens in the forward."""
+"""Start-up profile of forward latency against the number of tokens in the packed forward."""
 from __future__ import annotations
 
 import statistics
@@ -6,36 +6,37 @@ import time
 
 import torch
 
-from engine.kv_cache import RequestKVCache
-from engine.runner import ModelRunner
+from engine.packed_runner import ForwardItem, PackedModelRunner
+from scheduler.kv_blocks import KVBlockManager
 
-PROFILE_TOKEN_COUNTS = (1, 2, 3, 4, 6, 8, 11, 16)
+PROFILE_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the latency model extrapolates linearly beyond
 PROFILE_CONTEXT_LEN = 512
-PROFILE_REPEATS = 5
+PROFILE_REPEATS = 3
+PROFILE_REQUEST_ID = "__latency_profile__"
 
 
 @torch.inference_mode()
-def profile_forward_latency(runner: ModelRunner, vocab_size: int, max_model_len: int) -> dict[int, float]:
+def profile_forward_latency(runner: PackedModelRunner, blocks: KVBlockManager, vocab_size: int, max_model_len: int) -> dict[int, float]:
     """Median seconds of a forward over n new tokens after a fixed context, for each profiled n."""
-    context_len = min(PROFILE_CONTEXT_LEN, max_model_len - max(PROFILE_TOKEN_COUNTS))
+    counts = [n for n in PROFILE_TOKEN_COUNTS if n < max_model_len // 2]
+    context_len = min(PROFILE_CONTEXT_LEN, max_model_len - max(counts))
     generator = torch.Generator().manual_seed(0)
-    context = torch.randint(0, vocab_size, (context_len,), generator=generator).tolist()
-    cache = RequestKVCache()
-    runner.forward_tokens(cache, context, num_logits=1)
-    result = {}
-    for num_tokens in PROFILE_TOKEN_COUNTS:
-        tokens = context[:num_tokens]
-        timings = []  # seconds
-        for _ in range(PROFILE_REPEATS):
-            cache.truncate(context_len)
-            start = time.perf_counter()
-            runner.forward_tokens(cache, tokens, num_logits=num_tokens)
-            _synchronize(runner.device)
-            timings.append(time.perf_counter() - start)
-        result[num_tokens] = statistics.median(timings)
-    return result
+    context = torch.randint(0, vocab_size, (context_len + max(counts),), generator=generator).tolist()
+    blocks.grow(PROFILE_REQUEST_ID, len(context))
+    try:
+        runner.execute([ForwardItem(PROFILE_REQUEST_ID, context[:context_len], 0, 1)], blocks)
+        return {n: _median_seconds(runner, blocks, context, context_len, n) for n in counts}
+    finally:
+        blocks.free(PROFILE_REQUEST_ID)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _median_seconds(runner: PackedModelRunner, blocks: KVBlockManager, context: list[int], context_len: int, num_tokens: int) -> float:
+    item = ForwardItem(PROFILE_REQUEST_ID, context[context_len:context_len + num_tokens], context_len, num_tokens)
+    timings = []  # seconds
+    for _ in range(PROFILE_REPEATS):
+        start = time.perf_counter()
+        runner.execute([item], blocks)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        timings.append(time.perf_counter() - start)
+    return statistics.median(timings)

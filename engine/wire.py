@@ -72,6 +72,9 @@ class StepStats(msgspec.Struct):
     planned_tokens: float = 0.0  # tokens the planner expected this step to yield
     planned_seconds: float = 0.0  # seconds the latency model predicted for this step's forwards
     num_generated_tokens: int = 0  # tokens this step appended to its requests
+    kv_cache_usage: float = 0.0  # fraction of the paged KV pool's blocks in use after the step
+    num_scheduled_tokens: int = 0  # tokens in the step's packed forward: prefill chunks, last tokens, drafts
+    num_preemptions: int = 0  # requests sent back to the waiting queue this step (recomputed later)
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):
@@ -84,6 +87,8 @@ class EngineReady(msgspec.Struct, tag="ready"):
     max_model_len: int
     eos_token_ids: list[int]
     latency_ms_by_num_tokens: dict[int, float]  # profiled forward time for n tokens
+    num_kv_blocks: int = 0  # blocks in the paged KV pool
+    kv_block_size: int = 0  # positions per block
 
 
 class EngineDead(msgspec.Struct, tag="dead"):

@@ -1,4 +1,4 @@
-"""Scheduling configuration: batch limits and the goodput planner."""
+"""Scheduling configuration: batch limits, the token budget and the goodput planner."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,14 +6,19 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 16  # requests running at once
+    max_num_seqs: int = 64  # requests running at once
+    max_num_batched_tokens: int = 512  # tokens in one step's packed forward: prefill chunks, last tokens, drafts
     max_waiting: int = 256  # queued requests before new ones are refused
-    use_goodput_planner: bool = True  # False: verify every drafted token
+    use_goodput_planner: bool = True  # False: verify every drafted token the budget allows
     acceptance_prior: float = 0.5  # prior acceptance of a drafted token before any is observed
     acceptance_prior_weight: float = 4.0  # how many observations the prior is worth
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be at least max_num_seqs: every running request advances each step")
+        if self.max_waiting < 0:
+            raise ValueError("max_waiting must not be negative")
         if not 0.0 < self.acceptance_prior < 1.0:
             raise ValueError("acceptance_prior must lie strictly between 0 and 1")

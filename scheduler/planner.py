@@ -27,16 +27,21 @@ def expected_tokens(acceptance: list[float]) -> list[float]:
 
 
 def plan_verification(
-    acceptance: list[list[float]], num_base_tokens: int, num_base_expected: float, latency: LatencyModel
+    acceptance: list[list[float]],
+    num_base_tokens: int,
+    num_base_expected: float,
+    latency: LatencyModel,
+    max_draft_tokens: int | None = None,
 ) -> list[int]:
     """Per request, how many of its drafted tokens to verify.
 
     acceptance[r]: [num drafted tokens of request r] conditional acceptance estimates.
     num_base_tokens: tokens in the forward before any draft (prefill chunks + one per decoding request).
     num_base_expected: tokens the batch yields without drafts (one per decoding request).
+    max_draft_tokens: drafted tokens the step's token budget leaves room for (None: no bound).
     """
     chosen = [0] * len(acceptance)
-    order = _greedy_order(acceptance)
+    order = _greedy_order(acceptance)[:max_draft_tokens]
     best_len, best_goodput = 0, num_base_expected / latency(num_base_tokens)
     expected = num_base_expected
     for length, (gain, request) in enumerate(order, start=1):

@@ -1,6 +1,18 @@
 """Request admission, per-step token decisions and bookkeeping after verification.
 
 Plain data only: the scheduler imports no tensors and can be tested without a model.
+
+One step, in order of priority:
+1. every running request that is decoding advances by its one uncomputed token;
+2. requests still prefilling (new, or recomputing after preemption) take prefill
+   chunks from the token budget that is left, oldest first;
+3. the goodput planner spends what is left of the budget on drafted tokens.
+
+Fairness: waiting requests are admitted strictly first come, first served, so no
+waiting request is ever passed over by a later one; a request that runs out of KV
+blocks takes them from the youngest running request (preempted: its blocks are
+freed and it goes back to the front of the queue to be recomputed), never from an
+older one, so the oldest request always progresses and every request finishes.
 """
 from __future__ import annotations
 
@@ -11,8 +23,9 @@ from drafters.base import Draft
 from engine.wire import DraftStepStats, RequestOutput, StepStats
 from scheduler.acceptance import AcceptanceEstimator, PositionalAcceptance
 from scheduler.config import SchedulerConfig
+from scheduler.kv_blocks import KVBlockManager
 from scheduler.latency import LatencyModel
-from scheduler.planner import best_num_draft_tokens, expected_tokens
+from scheduler.planner import expected_tokens, plan_verification
 from scheduler.request import Request, RequestStatus
 
 
@@ -23,13 +36,14 @@ class QueueFullError(RuntimeError):
 @dataclass
 class ScheduledRequest:
     req: Request
-    input_token_ids: list[int]  # [num_uncomputed + num_draft] tokens this forward carries
-    num_draft_tokens: int  # drafted tokens at the end of input_token_ids, to be verified
+    input_token_ids: list[int]  # [num_uncomputed in this step + num_draft] tokens this forward carries
+    num_draft_tokens: int = 0  # drafted tokens at the end of input_token_ids, to be verified
+    reaches_end: bool = True  # False for a prefill chunk that stops short of the request's last token
 
     @property
     def num_logits(self) -> int:
         """Positions whose next-token distribution is needed: the last real token and each draft."""
-        return self.num_draft_tokens + 1
+        return self.num_draft_tokens + 1 if self.reaches_end else 0
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -42,7 +56,12 @@ class SchedulerOutput:
     num_offered_draft_tokens: int = 0
     num_verified_draft_tokens: int = 0
     expected_tokens: float = 0.0  # the planner's estimate of the tokens this step yields
-    predicted_seconds: float = 0.0  # the latency model's estimate of this step's forwards
+    predicted_seconds: float = 0.0  # the latency model's estimate of this step's forward
+    num_preemptions: int = 0
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(item.input_token_ids) for item in self.scheduled)
 
 
 class Scheduler:
@@ -51,21 +70,25 @@ class Scheduler:
         config: SchedulerConfig,
         max_model_len: int,
         eos_token_ids: list[int],
+        blocks: KVBlockManager,
         latency: LatencyModel | None = None,
         estimator: AcceptanceEstimator | None = None,
     ) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
-        self.latency = latency if config.use_goodput_planner else None
+        self.blocks = blocks
+        self.latency = latency
         self.estimator = estimator or PositionalAcceptance(config.acceptance_prior, config.acceptance_prior_weight)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # oldest first
 
     # --- admission -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         if len(self.waiting) >= self.config.max_waiting:
-            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+            raise QueueFullError(
+                f"the server is at capacity: {self.config.max_waiting} requests are already waiting; retry later"
+            )
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> Request | None:
@@ -83,33 +106,115 @@ class Scheduler:
 
     # --- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        self._admit_waiting()
         out = SchedulerOutput()
-        for req in self.running:
-            num_drafts, expected = self._plan(req)
-            uncomputed = req.all_token_ids[req.num_computed_tokens:]
-            out.scheduled.append(ScheduledRequest(req, uncomputed + req.draft_token_ids[:num_drafts], num_drafts))
-            out.num_offered_draft_tokens += len(req.draft_token_ids)
-            out.num_verified_draft_tokens += num_drafts
-            out.expected_tokens += expected
-            out.predicted_seconds += self.latency(len(out.scheduled[-1].input_token_ids)) if self.latency else 0.0
+        self._admit_waiting()
+        decoding = self._schedule_decoding(out)
+        self._schedule_prefill_chunks(out)
+        self._schedule_drafts(out, decoding)
+        if self.latency:
+            out.predicted_seconds = self.latency(out.num_scheduled_tokens)
         return out
 
     def _admit_waiting(self) -> None:
+        """First come, first served: the head of the queue joins once a seat and its first chunk's blocks are free."""
         while self.waiting and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            head = self.waiting[0]
+            first_chunk = min(head.num_uncomputed_tokens, self.config.max_num_batched_tokens)
+            if self.blocks.num_new_blocks(head.request_id, first_chunk) > self.blocks.num_free_blocks:
+                return
+            self.waiting.popleft()
+            head.status = RequestStatus.RUNNING
+            self.running.append(head)
+            self.running.sort(key=lambda req: req.arrival_time)
 
-    def _plan(self, req: Request) -> tuple[int, float]:
-        """Drafted tokens to verify, and the tokens the step is expected to yield for the request."""
+    def _schedule_decoding(self, out: SchedulerOutput) -> list[ScheduledRequest]:
+        """Every decoding request advances by its last token, oldest first; blocks come from the youngest."""
+        decoding = []
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING or req.num_uncomputed_tokens != 1:
+                continue
+            if self._reserve_blocks(req, req.num_computed_tokens + 1, out):
+                decoding.append(ScheduledRequest(req, req.all_token_ids[-1:]))
+        out.scheduled += decoding
+        return decoding
+
+    def _schedule_prefill_chunks(self, out: SchedulerOutput) -> None:
+        """Requests still prefilling take chunks from the budget the decoding requests left, oldest first."""
+        for req in list(self.running):
+            budget = self.config.max_num_batched_tokens - out.num_scheduled_tokens
+            if budget <= 0:
+                return
+            if req.status is not RequestStatus.RUNNING or req.num_uncomputed_tokens == 1:
+                continue
+            chunk = min(req.num_uncomputed_tokens, budget, self._positions_available(req) - req.num_computed_tokens)
+            if chunk <= 0 and self._reserve_blocks(req, req.num_computed_tokens + 1, out):
+                chunk = min(req.num_uncomputed_tokens, budget, self._positions_available(req) - req.num_computed_tokens)
+            if chunk <= 0:
+                continue
+            end = req.num_computed_tokens + chunk
+            self.blocks.grow(req.request_id, end)
+            reaches_end = end == len(req.all_token_ids)
+            out.scheduled.append(ScheduledRequest(req, req.all_token_ids[req.num_computed_tokens:end], 0, reaches_end))
+            out.expected_tokens += 1.0 if reaches_end else 0.0
+
+    def _schedule_drafts(self, out: SchedulerOutput, decoding: list[ScheduledRequest]) -> None:
+        """Spend what is left of the token budget on the drafted tokens the planner expects to pay off."""
+        live = [item for item in decoding if item.req.status is RequestStatus.RUNNING]
+        out.scheduled = [item for item in out.scheduled if item.req.status is RequestStatus.RUNNING]
+        limits = [self._draft_limit(item.req) for item in live]
+        acceptance = [self.estimator.estimate(item.req, limit) if limit else [] for item, limit in zip(live, limits)]
+        budget = self.config.max_num_batched_tokens - out.num_scheduled_tokens
+        if self.latency and self.config.use_goodput_planner:
+            chosen = plan_verification(acceptance, out.num_scheduled_tokens, len(live), self.latency, budget)
+        else:
+            chosen = _first_come(limits, budget)
+        for item, rates, num_drafts in zip(live, acceptance, chosen):
+            req = item.req
+            num_drafts = min(num_drafts, self._positions_available(req) - req.num_computed_tokens - 1)
+            self.blocks.grow(req.request_id, req.num_computed_tokens + 1 + num_drafts)
+            item.input_token_ids = item.input_token_ids + req.draft_token_ids[:num_drafts]
+            item.num_draft_tokens = num_drafts
+            out.num_offered_draft_tokens += len(req.draft_token_ids)
+            out.num_verified_draft_tokens += num_drafts
+            out.expected_tokens += expected_tokens(rates[:num_drafts])[num_drafts]
+
+    def _draft_limit(self, req: Request) -> int:
+        """Drafted tokens worth considering: no more than the request may still generate."""
         room = min(req.max_new_tokens_left, self.max_model_len - len(req.all_token_ids)) - 1
-        limit = min(len(req.draft_token_ids), max(room, 0))
-        if req.num_uncomputed_tokens != 1 or limit == 0:
-            return 0, 1.0  # prefill steps carry no drafts
-        acceptance = self.estimator.estimate(req, limit)
-        num_drafts = limit if self.latency is None else best_num_draft_tokens(acceptance, self.latency)
-        return num_drafts, expected_tokens(acceptance)[num_drafts]
+        return max(min(len(req.draft_token_ids), room), 0)
+
+    # --- KV blocks and preemption --------------------------------------------------------
+    def _positions_available(self, req: Request) -> int:
+        """Positions the request could cover with the blocks it owns plus every free block."""
+        owned = len(self.blocks.block_tables.get(req.request_id, ()))
+        return (owned + self.blocks.num_free_blocks) * self.blocks.block_size
+
+    def _reserve_blocks(self, req: Request, num_positions: int, out: SchedulerOutput) -> bool:
+        """Make the request's blocks cover `num_positions`, preempting younger requests if need be.
+
+        Returns False when even that is not enough; the request itself is then preempted
+        if it is the youngest, or simply waits for this step otherwise.
+        """
+        while not self.blocks.can_grow(req.request_id, num_positions):
+            victim = self.running[-1]
+            if victim is req and req.num_uncomputed_tokens == 1:
+                self._preempt(req, out)
+                return False
+            if victim is req:
+                return False
+            self._preempt(victim, out)
+        self.blocks.grow(req.request_id, num_positions)
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Free the request's blocks and queue it at the front; it is recomputed from its tokens later."""
+        self.blocks.free(req.request_id)
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.draft_token_ids = []
+        self.waiting.appendleft(req)
+        out.num_preemptions += 1
 
     def set_drafts(self, reqs: list[Request], drafts: list[Draft]) -> None:
         for req, draft in zip(reqs, drafts):
@@ -118,9 +223,17 @@ class Scheduler:
 
     # --- after verification ----------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> tuple[list[RequestOutput], StepStats]:
-        """Append each request's accepted drafts plus its bonus token; finish requests that stop."""
+        """Append each request's accepted drafts plus its bonus token; release rejected KV; finish requests that stop.
+
+        sampled: per scheduled request, the tokens verification produced ([] for a prefill chunk short of the end).
+        """
         spec_by_drafter = _spec_step_stats(out.scheduled, sampled)
-        outputs = [self._update_one(item, token_ids) for item, token_ids in zip(out.scheduled, sampled)]
+        outputs = []
+        for item, token_ids in zip(out.scheduled, sampled):
+            if item.reaches_end:
+                outputs.append(self._update_one(item, token_ids))
+            else:
+                item.req.num_computed_tokens += len(item.input_token_ids)
         self.running = [req for req in self.running if not req.is_finished]
         stats = StepStats(
             num_running=len(self.running),
@@ -132,6 +245,9 @@ class Scheduler:
             planned_tokens=out.expected_tokens,
             planned_seconds=out.predicted_seconds,
             num_generated_tokens=sum(len(o.new_token_ids) for o in outputs),
+            kv_cache_usage=self.blocks.usage,
+            num_scheduled_tokens=out.num_scheduled_tokens,
+            num_preemptions=out.num_preemptions,
         )
         return outputs, stats
 
@@ -141,6 +257,8 @@ class Scheduler:
         new_token_ids = self._append_until_stop(req, token_ids)
         req.num_computed_tokens = len(req.all_token_ids) - 1
         req.draft_token_ids = []
+        if not req.is_finished:
+            self.blocks.shrink(req.request_id, req.num_computed_tokens + 1)  # rejected drafts' KV goes back
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=new_token_ids,
@@ -181,6 +299,16 @@ class Scheduler:
     def _finish(self, req: Request, reason: str) -> None:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        self.blocks.free(req.request_id)
+
+
+def _first_come(limits: list[int], budget: int) -> list[int]:
+    """Without the planner: every drafted token, in request order, while the budget lasts."""
+    chosen = []
+    for limit in limits:
+        chosen.append(min(limit, max(budget, 0)))
+        budget -= chosen[-1]
+    return chosen
 
 
 def _spec_step_stats(scheduled: list[ScheduledRequest], sampled: list[list[int]]) -> dict[str, DraftStepStats]:

@@ -7,7 +7,7 @@ import sys
 
 from drafters.config import SpecConfig
 from drafters.registry import DRAFTER_NAMES
-from engine.config import DEVICES, DTYPES, EngineConfig, ModelConfig
+from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, CacheConfig, EngineConfig, ModelConfig
 from scheduler.config import SchedulerConfig
 from server.auth import API_KEY_ENV
 from server.config import Config, ServerConfig
@@ -20,7 +20,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="context length in tokens")
     parser.add_argument("--trust-remote-code", action="store_true", help="let transformers run the model repo's own code")
     parser.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
+    parser.add_argument("--kv-cache-memory", type=float, default=CacheConfig.kv_cache_memory_gib, help="GiB of memory for the paged KV pool")
+    parser.add_argument("--block-size", type=int, default=None, help="positions per KV block (default 16; 256 with flash-attn)")
+    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto", help="flash needs CUDA and flash-attn")
     parser.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs, help="requests running at once")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
+        help="token budget of one step: prefill chunks, last tokens and drafts",
+    )
     parser.add_argument("--max-waiting", type=int, default=SchedulerConfig.max_waiting, help="queued requests before 429")
     parser.add_argument("--no-goodput-planner", action="store_true", help="verify every drafted token")
     parser.add_argument("--copy-gamma", type=int, default=SpecConfig.copy_gamma, help="CopySpec match length γ")
@@ -30,8 +37,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace, drafter: str) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(args.model, args.device, args.dtype, args.max_model_len, args.trust_remote_code, args.num_threads),
+        cache=CacheConfig(args.kv_cache_memory, args.block_size, args.attention_backend),
         scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting, use_goodput_planner=not args.no_goodput_planner
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_waiting=args.max_waiting,
+            use_goodput_planner=not args.no_goodput_planner,
         ),
         spec=SpecConfig(drafter=drafter, copy_gamma=args.copy_gamma, copy_max_tokens=args.copy_max_tokens),
     )

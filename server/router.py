@@ -56,6 +56,11 @@ async def health(request: Request) -> JSONResponse:
     engine = serving_context(request).engine
     if engine.ready is not None and engine.healthy:
         stats = engine.last_step_stats
-        return JSONResponse({"status": "ok", "num_running": stats.num_running, "num_waiting": stats.num_waiting})
+        return JSONResponse({
+            "status": "ok",
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "kv_cache_usage": stats.kv_cache_usage,
+        })
     reason = engine.dead_reason or "the engine is still starting"
     return api_error_response(engine_unavailable(f"the engine is not ready: {reason}"))

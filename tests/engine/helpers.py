@@ -2,17 +2,25 @@
 from __future__ import annotations
 
 from engine.engine import Engine
-from engine.wire import EngineRequest, RequestOutput, SamplingParams
+from engine.wire import EngineRequest, RequestOutput, SamplingParams, StepStats
 
 
-def run_to_completion(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, RequestOutput]:
-    """Submit all prompts at once; returns per request id the concatenated outputs and the final stats."""
+def run_to_completion(
+    engine: Engine, prompts: list[list[int]], params: list[SamplingParams], step_stats: list[StepStats] | None = None
+) -> dict[str, RequestOutput]:
+    """Submit all prompts at once; returns per request id the concatenated outputs and the final stats.
+
+    step_stats, if given, receives every step's statistics.
+    """
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         assert engine.add_request(EngineRequest(f"req-{i}", prompt, p)) is None
     tokens: dict[str, list[int]] = {f"req-{i}": [] for i in range(len(prompts))}
     finals: dict[str, RequestOutput] = {}
     while engine.has_work:
-        for output in engine.step().outputs:
+        step = engine.step()
+        if step_stats is not None:
+            step_stats.append(step.stats)
+        for output in step.outputs:
             tokens[output.request_id] += output.new_token_ids
             if output.finish_reason:
                 finals[output.request_id] = output

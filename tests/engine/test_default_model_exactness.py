@@ -5,9 +5,10 @@ from bench.data import load_questions
 from bench.exactness import divergence_verdict
 from bench.mt import turn_prompts
 from drafters.config import SpecConfig
-from engine.config import EngineConfig
+from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.wire import SamplingParams
+from scheduler.config import SchedulerConfig
 from server.tokenizer import load_tokenizer
 from tests.engine.helpers import run_to_completion
 
@@ -31,3 +32,27 @@ def test_copyspec_matches_plain_decoding_on_mt_redundant():
         assert verdict != "mismatch", question["question_id"]
         num_accepted += speculative.spec.num_accepted_tokens
     assert num_accepted > 0, "turn 2 of MT-Redundant must give CopySpec something to copy"
+
+
+@pytest.mark.slow
+def test_requests_served_together_equal_each_served_alone():
+    """Continuous batching with chunked prefill and preemption changes no greedy output."""
+    tokenizer = load_tokenizer(EngineConfig().model)
+    alone_engine = Engine(EngineConfig(spec=SpecConfig(drafter="none")))
+    tight = EngineConfig(
+        cache=CacheConfig(kv_cache_memory_gib=0.025),  # 576 positions: the batch needs about 1,100 at once
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),  # prompts are prefilled in chunks
+    )
+    together_engine = Engine(tight)
+    questions = load_questions("mt-redundant")[:8]
+    prompts = [turn_prompts(tokenizer, question, None) for question in questions]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    stats = []
+    together = run_to_completion(together_engine, prompts, [params] * len(prompts), stats)
+    assert sum(s.num_preemptions for s in stats) > 0, "the pool must run full for this test to mean something"
+    assert max(s.num_scheduled_tokens for s in stats) == 64 and max(s.num_running for s in stats) > 1
+    assert together_engine.scheduler.blocks.num_free_blocks == together_engine.scheduler.blocks.num_blocks
+    for i, prompt in enumerate(prompts):
+        alone = run_to_completion(alone_engine, [prompt], [params])["req-0"].new_token_ids
+        verdict = divergence_verdict(alone_engine.runner.model, prompt, alone, together[f"req-{i}"].new_token_ids)
+        assert verdict != "mismatch", questions[i]["question_id"]

@@ -3,8 +3,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.kv_cache import RequestKVCache
-from engine.packed_runner import PackedModelRunner
+from transformers import DynamicCache
+
+from engine.packed_runner import ForwardItem, PackedModelRunner
 from engine.paged_attention import PagedKVPool
 from scheduler.kv_blocks import KVBlockManager
 
@@ -30,23 +31,28 @@ def reference_logits(model, cache, token_ids, num_logits):
 def test_packed_steps_match_per_request_forwards_through_prefill_drafts_and_rollback(models):
     reference, runner = models
     blocks = KVBlockManager(num_blocks=64, block_size=BLOCK_SIZE)
-    prompts = {"a": [1, 5, 9, 13, 7, 3, 22], "b": [1, 30, 31], "c": [1] + list(range(10, 28))}
-    caches = {name: RequestKVCache() for name in prompts}
+    long_prompt = [1] + [(7 * i) % 40 + 3 for i in range(39)]  # prefilled in two chunks, the first without logits
+    prompts = {"a": [1, 5, 9, 13, 7, 3, 22], "b": [1, 30, 31], "c": [1] + list(range(10, 28)), "d": long_prompt[:25]}
+    caches = {name: DynamicCache() for name in prompts}
     computed = {name: 0 for name in prompts}
 
     def step(new_tokens, num_logits):
         items = []
         for name, ids in new_tokens.items():
             blocks.grow(name, computed[name] + len(ids))
-            items.append((name, ids, computed[name], num_logits[name]))
+            items.append(ForwardItem(name, ids, computed[name], num_logits[name]))
         got = runner.execute(items, blocks)
         for (name, ids), logits in zip(new_tokens.items(), got):
-            caches[name].truncate(computed[name])
+            if caches[name].get_seq_length() > computed[name]:
+                caches[name].crop(computed[name] - caches[name].get_seq_length())
             expected = reference_logits(reference, caches[name], ids, num_logits[name])
-            torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+            assert logits.shape[0] == num_logits[name]
+            if num_logits[name]:
+                torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
             computed[name] += len(ids)
 
-    step(prompts, {"a": 1, "b": 1, "c": 1})  # ragged prefill
+    step(prompts, {"a": 1, "b": 1, "c": 1, "d": 0})  # ragged prefill; d's chunk stops short of its prompt's end
+    step({"d": long_prompt[25:]}, {"d": 1})
     step({"a": [4, 8, 12], "b": [6], "c": [2, 2]}, {"a": 3, "b": 1, "c": 2})  # last token + drafts
     for name, keep in (("a", 1), ("c", 2)):  # rejected drafts: roll back
         computed[name] -= keep

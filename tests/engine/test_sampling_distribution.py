@@ -52,7 +52,9 @@ def sample_pairs(engine, params):
 def test_speculative_sampling_matches_plain_sampling(tiny_model_dir, params):
     config = EngineConfig(
         model=ModelConfig(model=tiny_model_dir, device="cpu"),
-        scheduler=SchedulerConfig(max_num_seqs=NUM_SAMPLES, max_waiting=NUM_SAMPLES, use_goodput_planner=False),
+        scheduler=SchedulerConfig(
+            max_num_seqs=NUM_SAMPLES, max_num_batched_tokens=32 * NUM_SAMPLES, max_waiting=NUM_SAMPLES, use_goodput_planner=False
+        ),
         spec=SpecConfig(drafter="none"),
     )
     plain_engine, spec_engine = Engine(config), Engine(config)

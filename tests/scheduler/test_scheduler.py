@@ -3,17 +3,21 @@ import pytest
 from drafters.base import Draft
 from engine.wire import SamplingParams
 from scheduler.config import SchedulerConfig
+from scheduler.kv_blocks import KVBlockManager
 from scheduler.latency import LatencyModel
 from scheduler.request import Request
 from scheduler.scheduler import QueueFullError, Scheduler
 
 EOS = 2
+BLOCK_SIZE = 4
 
 
-def make_scheduler(planner=False, max_waiting=8, max_model_len=64):
+def make_scheduler(planner=False, max_waiting=8, max_model_len=64, num_blocks=64, budget=512, max_num_seqs=2):
     latency = LatencyModel({1: 1.0, 16: 1.0}) if planner else None  # flat latency: drafts are free
-    config = SchedulerConfig(max_num_seqs=2, max_waiting=max_waiting, use_goodput_planner=planner)
-    return Scheduler(config, max_model_len, [EOS], latency)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_waiting=max_waiting, use_goodput_planner=planner
+    )
+    return Scheduler(config, max_model_len, [EOS], KVBlockManager(num_blocks, BLOCK_SIZE), latency)
 
 
 def add(scheduler, request_id="r", prompt=(5, 6, 7), max_tokens=10, ignore_eos=False):
