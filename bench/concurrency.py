@@ -9,18 +9,16 @@ the level's wall time.
 
 `transformers serve` cannot batch a GGUF checkpoint (its model manager reads
 `config.architectures`, which GGUF configs leave empty), so a GGUF model is
-dequantized once into a plain transformers directory under the user cache and
-that directory is served. Its paged KV cache is sized to the workload: left to
-itself on CPU it takes 90 % of the free RAM.
+served from the engine's dequantized checkpoint of it (engine/gguf_cache.py),
+which sets it. Its paged KV cache is sized to the workload: left to itself on
+CPU it takes 90 % of the free RAM.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import math
-import os
 import shlex
-import shutil
 import statistics
 import sys
 import time
@@ -31,6 +29,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server_process import RunningServer, free_port, specserve_command, start_process, stop_server
+from engine.gguf_cache import dequantized_dir
 from engine.model_source import ModelSource, resolve_model_source
 
 SPEC_COUNTERS = {
@@ -106,51 +105,11 @@ def prompt_lengths(tokenizer, conversations: list[list[dict]]) -> list[int]:
     return lengths
 
 
-def default_peer_cache() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specserve" / "transformers-serve"
-
-
-def transformers_model_dir(source: ModelSource, cache_dir: Path | None = None) -> str:
-    """A model `transformers serve --continuous-batching` can load: SOURCE itself, or its GGUF dequantized once into CACHE_DIR."""
+def transformers_model_dir(source: ModelSource, cache_root: Path | None = None) -> str:
+    """A model `transformers serve --continuous-batching` can load: SOURCE itself, or its GGUF's dequantized checkpoint."""
     if source.gguf_file is None:
         return source.path
-    gguf = Path(source.path) / source.gguf_file
-    stat = gguf.stat()
-    import transformers
-
-    stamp = {"gguf": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "transformers": transformers.__version__}
-    target = (cache_dir or default_peer_cache()) / gguf.stem
-    marker = target / "specserve-source.json"
-    if marker.is_file() and json.loads(marker.read_text()) == stamp:
-        return str(target)
-    print(f"dequantizing {gguf} into {target} for transformers serve", flush=True)
-    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    save_dequantized(source, partial)
-    (partial / marker.name).write_text(json.dumps(stamp, indent=1))
-    shutil.rmtree(target, ignore_errors=True)
-    partial.rename(target)
-    return str(target)
-
-
-def save_dequantized(source: ModelSource, directory: Path) -> None:
-    """Model (float32), tokenizer and chat template of a GGUF file as a plain transformers checkpoint in DIRECTORY."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
-    if getattr(model, "hf_quantizer", None) is not None and any(p.dtype != torch.float32 for p in model.parameters()):
-        raise RuntimeError(f"{source.gguf_file} loaded with packed GGUF weights; cannot write a dequantized copy")
-    # The weights are plain float32 tensors already; only the GGUF quantizer marks the model unsaveable.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.config.architectures = [type(model).__name__]  # GGUF configs leave it empty; transformers serve needs it
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)  # writes the chat template too
-    if not tokenizer.chat_template:
-        raise RuntimeError(f"{source.gguf_file} carries no chat template")
+    return str(dequantized_dir(source, cache_root))
 
 
 async def stream_turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int) -> RequestTiming:
@@ -343,8 +302,8 @@ def turn2_conversations(questions: list[dict], tokenizer, runner, max_tokens: in
     from bench.mt import turn_prompts
 
     conversations = []
-    for question in questions:
-        answer = runner.generate(turn_prompts(tokenizer, question, None), max_tokens).token_ids
+    answers = runner.generate_batch([turn_prompts(tokenizer, question, None) for question in questions], max_tokens)
+    for question, answer in zip(questions, answers):
         conversations.append([
             {"role": "user", "content": question["turns"][0]},
             {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)},

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from engine.config import ModelConfig
+from engine.gguf_cache import loadable_source
 from engine.model_source import ModelSource, resolve_model_source
 
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -38,12 +39,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def load_model(config: ModelConfig) -> LoadedModel:
     source = resolve_model_source(config.model)
     device = resolve_device(config.device)
+    checkpoint = loadable_source(source)  # a GGUF's dequantized copy; the served name stays SOURCE's
     model = AutoModelForCausalLM.from_pretrained(
-        source.path,
+        checkpoint.path,
         dtype=resolve_dtype(config.dtype, device),
         attn_implementation="sdpa",
         trust_remote_code=config.trust_remote_code,
-        **source.from_pretrained_kwargs(),
+        **checkpoint.from_pretrained_kwargs(),
     )
     model.to(device).eval()
     return LoadedModel(model, source, device, _max_model_len(model, config), _eos_token_ids(model))

@@ -4,11 +4,13 @@ from __future__ import annotations
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import ModelConfig
+from engine.gguf_cache import loadable_source
 from engine.model_source import resolve_model_source
 
 
 def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
-    source = resolve_model_source(config.model)
+    """The model's tokenizer; a GGUF model's from its dequantized cache (the same vocabulary, merges and chat template)."""
+    checkpoint = loadable_source(resolve_model_source(config.model))
     return AutoTokenizer.from_pretrained(
-        source.path, trust_remote_code=config.trust_remote_code, **source.from_pretrained_kwargs()
+        checkpoint.path, trust_remote_code=config.trust_remote_code, **checkpoint.from_pretrained_kwargs()
     )

@@ -149,7 +149,7 @@ def test_percentile_is_nearest_rank(fraction, expected):
 
 
 def test_a_gguf_is_dequantized_once_per_file_version(tmp_path, monkeypatch):
-    import bench.concurrency as concurrency
+    import engine.gguf_cache as gguf_cache
 
     gguf = tmp_path / "models" / "tiny.Q4_1.gguf"
     gguf.parent.mkdir()
@@ -161,7 +161,7 @@ def test_a_gguf_is_dequantized_once_per_file_version(tmp_path, monkeypatch):
         directory.mkdir(parents=True)
         (directory / "config.json").write_text("{}")
 
-    monkeypatch.setattr(concurrency, "save_dequantized", fake_save)
+    monkeypatch.setattr(gguf_cache, "save_dequantized", fake_save)
     source = ModelSource("tiny", str(gguf.parent), gguf.name)
     first = transformers_model_dir(source, tmp_path / "cache")
     assert first == str(tmp_path / "cache" / "tiny.Q4_1") and (tmp_path / "cache" / "tiny.Q4_1" / "config.json").is_file()
