@@ -42,6 +42,20 @@ class EngineRunner:
         seconds = time.perf_counter() - start
         return Generation(token_ids, seconds, spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
 
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy answers to all prompts, served together by the continuous-batching engine (untimed)."""
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        ids = []
+        for prompt_ids in prompts:
+            self._count += 1
+            ids.append(f"bench-{self._count}")
+            self.engine.add_request(EngineRequest(ids[-1], prompt_ids, params))
+        token_ids: dict[str, list[int]] = {request_id: [] for request_id in ids}
+        while self.engine.has_work:
+            for output in self.engine.step().outputs:
+                token_ids[output.request_id] += output.new_token_ids
+        return [token_ids[request_id] for request_id in ids]
+
 
 class HFRunner:
     """transformers' `generate`, greedy, optionally with prompt lookup decoding; counts its forwards."""

@@ -100,6 +100,7 @@ class Engine:
         outputs, stats = self.scheduler.update(sched_out, sampled)
         self._after_update(sched_out.scheduled, outputs)
         stats.step_seconds = time.perf_counter() - start
+        self.scheduler.observe_step_seconds(sched_out, stats.step_seconds)
         return EngineOutputs(outputs=outputs, stats=stats)
 
     def _after_update(self, scheduled: list[ScheduledRequest], outputs: list[RequestOutput]) -> None:

@@ -49,7 +49,9 @@ class AttentionGroup:
     """Requests attended with one padded SDPA call: R requests, up to Q new tokens, up to L positions each."""
 
     query_index: torch.Tensor  # [R, Q] packed index of each padded query (padding repeats a real one)
-    kv_slots: torch.Tensor  # [R, L] pool slots of each request's positions (padding points at slot 0)
+    block_table: torch.Tensor  # [R, ceil(L / block_size)] pool blocks of each request (padding points at block 0)
+    block_size: int
+    max_len: int  # L
     mask: torch.Tensor | None  # [R, 1, Q, L] True where a query may look; None when R == Q == 1
     valid: torch.Tensor  # [n] flat indices into [R * Q] of the real queries, in packed order
     packed_index: torch.Tensor  # [n] packed index of those queries
@@ -85,13 +87,20 @@ def build_group(
     query_index = starts[:, None] + torch.where(real, offsets[None, :], 0)
     max_blocks = -(-max_len // block_size)
     table = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables])  # [R, max_blocks]
-    kv_slots = (table[:, :, None] * block_size + torch.arange(block_size)).reshape(num_reqs, -1)[:, :max_len]
     query_positions = ctx_lens[:, None] - q_lens[:, None] + offsets[None, :]  # [R, Q]
     mask = torch.arange(max_len)[None, None, :] <= query_positions[:, :, None]  # [R, Q, L]
     mask = None if num_reqs == max_q == 1 else mask[:, None].to(device)
     return AttentionGroup(
-        query_index.to(device), kv_slots.to(device), mask, real.flatten().nonzero()[:, 0].to(device), query_index[real].to(device)
+        query_index.to(device), table.to(device), block_size, max_len, mask, real.flatten().nonzero()[:, 0].to(device), query_index[real].to(device)
     )
+
+
+def _gather_blocks(layer_pool: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """[num_slots, kv_heads, head_dim] -> [R, L, kv_heads, head_dim]: whole blocks are copied, not single slots."""
+    num_reqs, num_blocks = group.block_table.shape
+    by_block = layer_pool.view(-1, group.block_size * layer_pool.shape[1] * layer_pool.shape[2])
+    gathered = by_block.index_select(0, group.block_table.flatten())
+    return gathered.view(num_reqs, num_blocks * group.block_size, *layer_pool.shape[1:])[:, :group.max_len]
 
 
 def _sdpa_groups(query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float | None) -> torch.Tensor:
@@ -102,8 +111,8 @@ def _sdpa_groups(query: torch.Tensor, layer: int, batch: PackedBatch, scaling: f
     for group in batch.groups:
         num_reqs, max_q = group.query_index.shape
         q = packed_query[group.query_index].transpose(1, 2)  # [R, heads, Q, head_dim]
-        k = keys[group.kv_slots].transpose(1, 2)  # [R, kv_heads, L, head_dim]
-        v = values[group.kv_slots].transpose(1, 2)
+        k = _gather_blocks(keys, group).transpose(1, 2)  # [R, kv_heads, L, head_dim]
+        v = _gather_blocks(values, group).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling, enable_gqa=True)
         o = o.transpose(1, 2).reshape(num_reqs * max_q, *o.shape[1:2], o.shape[-1])  # [R * Q, heads, head_dim]
         out[group.packed_index] = o[group.valid]

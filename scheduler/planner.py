@@ -13,6 +13,7 @@ same answer then and stays right when a noisy latency profile is not concave.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 from scheduler.latency import LatencyModel
 
@@ -30,7 +31,7 @@ def plan_verification(
     acceptance: list[list[float]],
     num_base_tokens: int,
     num_base_expected: float,
-    latency: LatencyModel,
+    latency: Callable[[int], float],
     max_draft_tokens: int | None = None,
 ) -> list[int]:
     """Per request, how many of its drafted tokens to verify.
@@ -38,6 +39,7 @@ def plan_verification(
     acceptance[r]: [num drafted tokens of request r] conditional acceptance estimates.
     num_base_tokens: tokens in the forward before any draft (prefill chunks + one per decoding request).
     num_base_expected: tokens the batch yields without drafts (one per decoding request).
+    latency: seconds of a forward over n tokens.
     max_draft_tokens: drafted tokens the step's token budget leaves room for (None: no bound).
     """
     chosen = [0] * len(acceptance)

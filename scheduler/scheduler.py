@@ -29,6 +29,9 @@ from scheduler.planner import expected_tokens, plan_verification
 from scheduler.request import Request, RequestStatus
 
 
+OVERHEAD_SMOOTHING = 0.1  # weight of the latest step in the running mean of the measured step overhead
+
+
 class QueueFullError(RuntimeError):
     pass
 
@@ -82,6 +85,7 @@ class Scheduler:
         self.estimator = estimator or PositionalAcceptance(config.acceptance_prior, config.acceptance_prior_weight)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first
+        self.step_overhead_seconds = 0.0  # running mean of measured step time minus the profiled forward time
 
     # --- admission -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -112,8 +116,18 @@ class Scheduler:
         self._schedule_prefill_chunks(out)
         self._schedule_drafts(out, decoding)
         if self.latency:
-            out.predicted_seconds = self.latency(out.num_scheduled_tokens)
+            out.predicted_seconds = self._step_seconds(out.num_scheduled_tokens)
         return out
+
+    def _step_seconds(self, num_tokens: int) -> float:
+        """Predicted seconds of a step: the start-up profile of one request's forward, plus what a real batch
+        costs on top of it (attention over every request's context, verification, drafting), as measured."""
+        return max(self.latency(num_tokens) + self.step_overhead_seconds, 1e-6)
+
+    def observe_step_seconds(self, out: SchedulerOutput, seconds: float) -> None:
+        if self.latency and out.scheduled:
+            error = seconds - self._step_seconds(out.num_scheduled_tokens)
+            self.step_overhead_seconds += OVERHEAD_SMOOTHING * error
 
     def _admit_waiting(self) -> None:
         """First come, first served: the head of the queue joins once a seat and its first chunk's blocks are free."""
@@ -165,7 +179,7 @@ class Scheduler:
         acceptance = [self.estimator.estimate(item.req, limit) if limit else [] for item, limit in zip(live, limits)]
         budget = self.config.max_num_batched_tokens - out.num_scheduled_tokens
         if self.latency and self.config.use_goodput_planner:
-            chosen = plan_verification(acceptance, out.num_scheduled_tokens, len(live), self.latency, budget)
+            chosen = plan_verification(acceptance, out.num_scheduled_tokens, len(live), self._step_seconds, budget)
         else:
             chosen = _first_come(limits, budget)
         for item, rates, num_drafts in zip(live, acceptance, chosen):

@@ -2,6 +2,7 @@
 import random
 
 from drafters.base import Draft
+from scheduler.latency import LatencyModel
 from tests.scheduler.test_scheduler import add, make_scheduler
 
 
@@ -107,3 +108,18 @@ def test_random_traffic_on_a_tight_pool_finishes_everything_and_returns_every_bl
         for req in requests:
             if req.finish_reason == "length":
                 assert req.num_output_tokens == req.sampling.max_tokens or len(req.all_token_ids) >= 64
+
+
+def test_measured_step_overhead_makes_drafts_cheaper_to_verify():
+    scheduler = make_scheduler(planner=True)
+    scheduler.latency = LatencyModel({1: 1.0, 2: 1.6, 4: 2.8})  # a draft costs 0.6 s on a 1 s step: not worth 0.5 tokens
+    req = add(scheduler, max_tokens=100)
+    scheduler.update(scheduler.schedule(), [[8]])
+    scheduler.set_drafts([req], [Draft([9, 10, 11], "copyspec")])
+    out = scheduler.schedule()
+    assert out.scheduled[0].num_draft_tokens == 0 and out.predicted_seconds == 1.0
+    for _ in range(60):  # real steps take 5 s more than the profile says (say, attention over long contexts)
+        scheduler.observe_step_seconds(out, 6.0)
+    assert abs(scheduler.step_overhead_seconds - 5.0) < 0.01
+    out = scheduler.schedule()  # now one forward costs 6 s and a draft 0.6 s more: worth 0.5 tokens
+    assert out.scheduled[0].num_draft_tokens > 0 and out.predicted_seconds > 6.0
