@@ -96,7 +96,8 @@ def run_concurrency(args: argparse.Namespace, engine_config_from_args, tokenizer
     args.concurrency_drafters = [d for d in parse_drafters(args.drafters) if not d.startswith("hf-")]
     engine_flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
                     "--device", args.device, "--dtype", args.dtype]
-    for flag in ("model", "num_threads", "max_model_len", "max_num_batched_tokens", "copy_gamma", "copy_max_tokens"):
+    for flag in ("model", "num_threads", "max_model_len", "max_num_batched_tokens", "kv_cache_memory", "block_size",
+                 "attention_backend", "copy_gamma", "copy_max_tokens"):
         if getattr(args, flag, None) is not None:
             engine_flags += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if getattr(args, "no_goodput_planner", False):
