@@ -4,6 +4,9 @@
 set -eu
 [ -n "${SPECSERVE_SERVED_MODEL_NAME:-}" ] && set -- --served-model-name "$SPECSERVE_SERVED_MODEL_NAME" "$@"
 [ -n "${SPECSERVE_MAX_WAITING:-}" ] && set -- --max-waiting "$SPECSERVE_MAX_WAITING" "$@"
+[ -n "${SPECSERVE_MAX_NUM_BATCHED_TOKENS:-}" ] && set -- --max-num-batched-tokens "$SPECSERVE_MAX_NUM_BATCHED_TOKENS" "$@"
+[ -n "${SPECSERVE_KV_CACHE_MEMORY:-}" ] && set -- --kv-cache-memory "$SPECSERVE_KV_CACHE_MEMORY" "$@"
+[ -n "${SPECSERVE_ATTENTION_BACKEND:-}" ] && set -- --attention-backend "$SPECSERVE_ATTENTION_BACKEND" "$@"
 [ -n "${SPECSERVE_MAX_NUM_SEQS:-}" ] && set -- --max-num-seqs "$SPECSERVE_MAX_NUM_SEQS" "$@"
 [ -n "${SPECSERVE_MAX_MODEL_LEN:-}" ] && set -- --max-model-len "$SPECSERVE_MAX_MODEL_LEN" "$@"
 [ -n "${SPECSERVE_NUM_THREADS:-}" ] && set -- --num-threads "$SPECSERVE_NUM_THREADS" "$@"
