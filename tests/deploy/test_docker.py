@@ -26,6 +26,9 @@ ENV_FLAGS = {  # SPECSERVE_* variable -> (a value, the flag it sets): every vari
     "SPECSERVE_MAX_MODEL_LEN": ("2048", "--max-model-len"),
     "SPECSERVE_MAX_NUM_SEQS": ("4", "--max-num-seqs"),
     "SPECSERVE_MAX_WAITING": ("64", "--max-waiting"),
+    "SPECSERVE_MAX_NUM_BATCHED_TOKENS": ("256", "--max-num-batched-tokens"),
+    "SPECSERVE_KV_CACHE_MEMORY": ("1.5", "--kv-cache-memory"),
+    "SPECSERVE_ATTENTION_BACKEND": ("sdpa", "--attention-backend"),
     "SPECSERVE_SERVED_MODEL_NAME": ("smol", "--served-model-name"),
 }
 
