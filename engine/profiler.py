@@ -16,7 +16,8 @@ PROFILE_REQUEST_ID = "__latency_profile__"
 
 @torch.inference_mode()
 def profile_forward_latency(runner: PackedModelRunner, blocks: KVBlockManager, vocab_size: int, max_model_len: int) -> dict[int, float]:
-    """Fastest of a few forwards (interference only ever adds time) over over n new tokens after a fixed context, for each profiled n."""
+    """Seconds of a forward over n new tokens after a fixed context, for each profiled n: the fastest of a few
+    repeats, since interference only ever adds time."""
     counts = [n for n in PROFILE_TOKEN_COUNTS if n < max_model_len // 2]
     context_len = min(PROFILE_CONTEXT_LEN, max_model_len - max(counts))
     generator = torch.Generator().manual_seed(0)

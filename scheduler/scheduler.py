@@ -16,6 +16,7 @@ older one, so the oldest request always progresses and every request finishes.
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -138,8 +139,7 @@ class Scheduler:
                 return
             self.waiting.popleft()
             head.status = RequestStatus.RUNNING
-            self.running.append(head)
-            self.running.sort(key=lambda req: req.arrival_time)
+            bisect.insort(self.running, head, key=lambda req: req.arrival_time)
 
     def _schedule_decoding(self, out: SchedulerOutput) -> list[ScheduledRequest]:
         """Every decoding request advances by its last token, oldest first; blocks come from the youngest."""
@@ -154,15 +154,15 @@ class Scheduler:
 
     def _schedule_prefill_chunks(self, out: SchedulerOutput) -> None:
         """Requests still prefilling take chunks from the budget the decoding requests left, oldest first."""
+        budget = self.config.max_num_batched_tokens - out.num_scheduled_tokens
         for req in list(self.running):
-            budget = self.config.max_num_batched_tokens - out.num_scheduled_tokens
             if budget <= 0:
                 return
             if req.status is not RequestStatus.RUNNING or req.num_uncomputed_tokens == 1:
                 continue
-            chunk = min(req.num_uncomputed_tokens, budget, self._positions_available(req) - req.num_computed_tokens)
+            chunk = self._chunk_that_fits(req, budget)
             if chunk <= 0 and self._reserve_blocks(req, req.num_computed_tokens + 1, out):
-                chunk = min(req.num_uncomputed_tokens, budget, self._positions_available(req) - req.num_computed_tokens)
+                chunk = self._chunk_that_fits(req, budget)  # younger requests gave their blocks back
             if chunk <= 0:
                 continue
             end = req.num_computed_tokens + chunk
@@ -170,6 +170,11 @@ class Scheduler:
             reaches_end = end == len(req.all_token_ids)
             out.scheduled.append(ScheduledRequest(req, req.all_token_ids[req.num_computed_tokens:end], 0, reaches_end))
             out.expected_tokens += 1.0 if reaches_end else 0.0
+            budget -= chunk
+
+    def _chunk_that_fits(self, req: Request, budget: int) -> int:
+        """Prefill tokens the request can take now: bounded by what it lacks, the budget and the free blocks."""
+        return min(req.num_uncomputed_tokens, budget, self._positions_available(req) - req.num_computed_tokens)
 
     def _schedule_drafts(self, out: SchedulerOutput, decoding: list[ScheduledRequest]) -> None:
         """Spend what is left of the token budget on the drafted tokens the planner expects to pay off."""
