@@ -28,9 +28,21 @@ def reference_logits(model, cache, token_ids, num_logits):
     return out.logits[0]
 
 
-def test_packed_steps_match_per_request_forwards_through_prefill_drafts_and_rollback(models):
+@pytest.mark.parametrize("read_in_place", [True, False], ids=["contiguous-read-in-place", "all-gathered"])
+def test_packed_steps_match_per_request_forwards_through_prefill_drafts_and_rollback(models, read_in_place, monkeypatch):
     reference, runner = models
-    blocks = KVBlockManager(num_blocks=64, block_size=BLOCK_SIZE)
+    monkeypatch.setattr(runner, "in_place_min_context", 1 if read_in_place else 10**9)
+    attended = {"in place": 0, "gathered": 0}
+    split = runner._in_place_spans
+
+    def counting_split(*args):
+        spans, gathered = split(*args)
+        attended["in place"] += len(spans)
+        attended["gathered"] += len(gathered)
+        return spans, gathered
+
+    monkeypatch.setattr(runner, "_in_place_spans", counting_split)
+    blocks = KVBlockManager(num_blocks=21, block_size=BLOCK_SIZE)  # exactly enough: some tables end up fragmented
     long_prompt = [1] + [(7 * i) % 40 + 3 for i in range(39)]  # prefilled in two chunks, the first without logits
     prompts = {"a": [1, 5, 9, 13, 7, 3, 22], "b": [1, 30, 31], "c": [1] + list(range(10, 28)), "d": long_prompt[:25]}
     caches = {name: DynamicCache() for name in prompts}
@@ -58,6 +70,8 @@ def test_packed_steps_match_per_request_forwards_through_prefill_drafts_and_roll
         computed[name] -= keep
         blocks.shrink(name, computed[name])
     step({"a": [40, 41], "b": [7, 8, 9, 10, 11], "c": [3]}, {"a": 2, "b": 5, "c": 1})
+    assert attended["gathered"] > 0
+    assert (attended["in place"] > 0) == read_in_place
 
 
 @pytest.mark.gpu

@@ -5,12 +5,13 @@ from scheduler.kv_blocks import KVBlockManager
 
 def test_grow_shrink_and_free_return_every_block():
     manager = KVBlockManager(num_blocks=4, block_size=4)
-    assert manager.grow("a", 5) == [0, 1]
-    assert manager.grow("b", 4) == [2]
-    assert manager.grow("a", 8) == [0, 1]  # already covered
+    a = list(manager.grow("a", 5))
+    b = list(manager.grow("b", 4))
+    assert len(a) == 2 and len(b) == 1 and not set(a) & set(b)
+    assert manager.grow("a", 8) == a  # already covered
     assert manager.usage == pytest.approx(0.75)
     manager.shrink("a", 3)  # rollback: keeps one block
-    assert manager.block_tables["a"] == [0] and manager.num_free_blocks == 2
+    assert manager.block_tables["a"] == a[:1] and manager.num_free_blocks == 2
     manager.free("a")
     manager.free("b")
     manager.free("never-seen")
@@ -28,8 +29,28 @@ def test_a_full_pool_refuses_without_changing_anything():
 
 def test_slots_follow_the_block_table():
     manager = KVBlockManager(num_blocks=4, block_size=3)
-    manager.grow("x", 2)
-    manager.grow("y", 3)
-    manager.grow("x", 5)  # x owns blocks 0 and 2
+    manager.block_tables["x"] = [0, 2]
     assert manager.slots("x", 0, 5) == [0, 1, 2, 6, 7]
-    assert manager.slots("y", 1, 3) == [4, 5]
+    assert manager.slots("x", 4, 6) == [7, 8]
+
+
+def test_requests_are_placed_apart_so_that_each_grows_into_one_contiguous_run():
+    manager = KVBlockManager(num_blocks=400, block_size=4)  # room: 4 requests use 60 blocks
+    for step in range(1, 21):  # four requests grow side by side, one position each per step
+        for name in "abcd":
+            manager.grow(name, 40 + step)
+    for name in "abcd":
+        table = manager.block_tables[name]
+        assert table == list(range(table[0], table[0] + 15))
+        assert manager.contiguous_first_slot(name, 60) == table[0] * 4
+
+
+def test_a_fragmented_pool_still_serves_every_block_and_says_when_a_table_is_not_contiguous():
+    manager = KVBlockManager(num_blocks=6, block_size=1)
+    for name in "abcdef":
+        manager.grow(name, 1)
+    for name in "ace":
+        manager.free(name)
+    assert manager.grow("g", 3) and manager.num_free_blocks == 0
+    assert manager.contiguous_first_slot("g", 3) is None
+    assert manager.contiguous_first_slot("g", 1) == manager.block_tables["g"][0]
