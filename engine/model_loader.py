@@ -48,7 +48,28 @@ def load_model(config: ModelConfig) -> LoadedModel:
         **checkpoint.from_pretrained_kwargs(),
     )
     model.to(device).eval()
+    if device.type == "cpu":
+        store_linear_weights_input_major(model)
     return LoadedModel(model, source, device, _max_model_len(model, config), _eos_token_ids(model))
+
+
+@torch.no_grad()
+def store_linear_weights_input_major(model: torch.nn.Module) -> None:
+    """Keep every Linear weight `[out, in]` as the transpose of a contiguous `[in, out]` tensor.
+
+    The values and shapes are unchanged; only the memory layout differs. On the CPU, MKL
+    multiplies a few rows by a weight stored this way up to twice as fast as by the
+    row-major weight (decoding steps carry a few rows per request): measured on the
+    2-core CI machine, ~10 % more tokens/s serving 16 clients. A LM head tied to the input
+    embeddings gets its own copy, so the embedding lookup keeps its row-major table.
+    """
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is model.get_input_embeddings().weight:
+        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            weight = module.weight.detach()
+            module.weight = torch.nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
 
 
 def _max_model_len(model: torch.nn.Module, config: ModelConfig) -> int:
