@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 from pathlib import Path
 
 from bench.data import load_questions
@@ -9,11 +10,14 @@ from bench.data import load_questions
 MT_BENCHMARKS = ("mt-redundant", "mt-bench")
 ALL_DRAFTERS = ("none", "copyspec", "hf-greedy", "hf-pld")
 PEERS = ("transformers-serve",)
+SESSION_MODES = ("off", "explicit", "implicit")
+SESSION_BENCHMARKS = ("mt-redundant", "self-correction")
+SESSION_DRAFTERS = ("none", "copyspec")  # the drafters `bench sessions` applies; the HTTP server has no hf-* peers
 
 
 def add_bench_parser(commands, add_engine_flags) -> None:
     bench = commands.add_parser("bench", help="measure speed side by side (results under bench/results/NAME)")
-    bench.add_argument("name", choices=(*MT_BENCHMARKS, "concurrency"))
+    bench.add_argument("name", choices=(*MT_BENCHMARKS, "concurrency", "sessions"))
     add_engine_flags(bench)
     bench.add_argument("--drafters", default=",".join(ALL_DRAFTERS), help=f"comma list from {ALL_DRAFTERS}; 'none' is always run")
     bench.add_argument("--limit", type=int, default=None, help="first N questions only")
@@ -29,6 +33,12 @@ def add_bench_parser(commands, add_engine_flags) -> None:
                        help="concurrency: transformers serve's KV blocks of 256 tokens (default: enough for the largest C at once)")
     bench.add_argument("--peer-max-batch-tokens", type=int, default=None,
                        help="concurrency: transformers serve's tokens per forward (default: specserve's per-step budget, 512)")
+    bench.add_argument("--session-modes", type=parse_session_modes, default=SESSION_MODES,
+                       help=f"sessions: comma list from {SESSION_MODES}; 'off' is always run. One specserve per mode and "
+                            "drafter, all up at once: --kv-cache-memory is each one's (1 GiB fits the default 6 in 24 GB)")
+    bench.add_argument("--benchmarks", type=parse_session_benchmarks, default=SESSION_BENCHMARKS,
+                       help=f"sessions: comma list from {SESSION_BENCHMARKS}")
+    bench.add_argument("--self-correction-limit", type=int, default=20, help="sessions: first N math_reasoning items")
 
 
 def parse_ints(text: str) -> tuple[int, ...]:
@@ -49,6 +59,20 @@ def parse_turns(text: str) -> tuple[int, ...]:
     return turns
 
 
+def parse_session_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    if not set(modes) <= set(SESSION_MODES):
+        raise argparse.ArgumentTypeError(f"session modes are {SESSION_MODES}")
+    return ("off", *dict.fromkeys(m for m in modes if m != "off"))
+
+
+def parse_session_benchmarks(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    if not names or not set(names) <= set(SESSION_BENCHMARKS):
+        raise argparse.ArgumentTypeError(f"benchmarks are {SESSION_BENCHMARKS}")
+    return names
+
+
 def parse_drafters(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = sorted(set(names) - set(ALL_DRAFTERS))
@@ -64,6 +88,8 @@ def run_bench(args: argparse.Namespace, engine_config_from_args) -> None:
     tokenizer = load_tokenizer(engine_config_from_args(args, "none").model)
     if args.name == "concurrency":
         run_concurrency(args, engine_config_from_args, tokenizer, out_dir)
+    elif args.name == "sessions":
+        run_sessions(args, out_dir)
     else:
         run_mt(args, engine_config_from_args, tokenizer, out_dir)
     print((out_dir / "results.md").read_text())
@@ -89,19 +115,37 @@ def run_mt(args: argparse.Namespace, engine_config_from_args, tokenizer, out_dir
 
 def run_concurrency(args: argparse.Namespace, engine_config_from_args, tokenizer, out_dir: Path) -> None:
     """HTTP servers under C concurrent clients; specserve per drafter (hf-* drafters do not apply) and peers."""
-    from bench.concurrency import run_concurrency_benchmark
+    from bench.concurrency import run_concurrency_benchmark, turn2_conversations
     from bench.runners import EngineRunner
     from engine.engine import Engine
 
     args.concurrency_drafters = [d for d in parse_drafters(args.drafters) if not d.startswith("hf-")]
-    engine_flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
-                    "--device", args.device, "--dtype", args.dtype]
-    for flag in ("model", "num_threads", "max_model_len", "max_num_batched_tokens", "kv_cache_memory", "block_size",
-                 "attention_backend", "copy_gamma", "copy_max_tokens"):
-        if getattr(args, flag, None) is not None:
-            engine_flags += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-    if getattr(args, "no_goodput_planner", False):
-        engine_flags.append("--no-goodput-planner")
+    # Every level replays the same conversations: a session cache would turn later levels into hits the peer never gets.
+    engine_flags = specserve_engine_flags(args) + ["--session-mode", "off"]
     questions = load_questions("mt-redundant", args.data_dir)[: args.limit]
     baseline = EngineRunner(Engine(engine_config_from_args(args, "none")))
-    run_concurrency_benchmark(args, questions, tokenizer, baseline, engine_flags, out_dir)
+    conversations = turn2_conversations(questions, tokenizer, baseline, args.max_new_tokens)
+    del baseline  # its KV pool would sit beside every server under test
+    gc.collect()
+    run_concurrency_benchmark(args, conversations, tokenizer, engine_flags, out_dir)
+
+
+def specserve_engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags of ARGS as `specserve serve` arguments, for every server a benchmark starts."""
+    flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
+             "--device", args.device, "--dtype", args.dtype]
+    for flag in ("model", "num_threads", "max_model_len", "max_num_batched_tokens", "kv_cache_memory", "block_size",
+                 "attention_backend", "copy_gamma", "copy_max_tokens", "session_ttl", "max_sessions"):
+        if getattr(args, flag, None) is not None:
+            flags += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    if getattr(args, "no_goodput_planner", False):
+        flags.append("--no-goodput-planner")
+    return flags
+
+
+def run_sessions(args: argparse.Namespace, out_dir: Path) -> None:
+    """Multi-turn conversations through HTTP servers, per session mode and drafter (none and copyspec apply)."""
+    from bench.sessions import run_sessions_benchmark
+
+    args.session_drafters = [d for d in parse_drafters(args.drafters) if d in SESSION_DRAFTERS]
+    run_sessions_benchmark(args, specserve_engine_flags(args), out_dir)

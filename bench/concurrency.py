@@ -1,11 +1,15 @@
 """Concurrency benchmark: C clients at once replay MT-Redundant turn 2 against a live HTTP server.
 
-Turn-1 answers are produced once, greedily, by the first specserve under test and
-put into every turn-2 history, so the measured phase holds turn 2 alone. Each
-server (specserve per drafter, and peers such as `transformers serve
---continuous-batching`) is started on loopback, warmed up with one short request,
-driven at each concurrency level, and stopped. Throughput is turn-2 tokens over
-the level's wall time.
+Turn-1 answers are produced once, greedily, by the in-process baseline engine and
+put into every turn-2 history, so the measured phase holds turn 2 alone. All
+servers under test (specserve per drafter, and peers such as `transformers serve
+--continuous-batching`) are started on loopback up front and warmed up with one
+short request each. Then the levels are interleaved: at each concurrency level
+the servers are driven one after another, the others idle, in an order reversed
+at every other level, so a level's ratios compare measurements minutes apart,
+not the tens of minutes over which a shared machine's speed drifts. All servers
+are stopped at the end, also on error. Throughput is turn-2 tokens over the
+level's wall time.
 
 `transformers serve` cannot batch a GGUF checkpoint (its model manager reads
 `config.architectures`, which GGUF configs leave empty), so a GGUF model is
@@ -22,6 +26,8 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +35,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server_process import RunningServer, free_port, specserve_command, start_process, stop_server
+from bench.sse_client import chat_body, stream_chat
 from engine.gguf_cache import dequantized_dir
 from engine.model_source import ModelSource, resolve_model_source
 
@@ -44,6 +51,9 @@ PEER_PAGE_SIZE = 256  # tokens per KV block of transformers' continuous batching
 PEER_MIN_BLOCKS = 16  # headroom for small runs (12 MB a block for SmolLM2-135M in float32)
 DEFAULT_PEER_MAX_BATCH_TOKENS = 512  # specserve's default per-step token budget (SchedulerConfig.max_num_batched_tokens)
 WARMUP_MAX_TOKENS = 8
+ORDER = "interleaved by level"  # results.json setup["order"]
+ORDER_NOTE = ("All servers up at once; at each level they are driven one after another (the others idle), "
+              "in an order reversed at every other level; `measured_at_s` in results.json says when each row was taken.")
 
 
 @dataclass
@@ -113,29 +123,8 @@ def transformers_model_dir(source: ModelSource, cache_root: Path | None = None) 
 
 
 async def stream_turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int) -> RequestTiming:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    first = last = None
-    chunks = completion_tokens = 0
-    async with client.stream("POST", url + "/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:500]}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if chunk.get("usage"):
-                completion_tokens = chunk["usage"]["completion_tokens"]
-            if any(choice.get("delta", {}).get("content") for choice in chunk.get("choices", [])):
-                last = time.perf_counter()
-                first = first or last
-                chunks += 1
-    if first is None:
-        raise RuntimeError("the server streamed no text")
-    completion_tokens = completion_tokens or chunks  # a server that sends no usage: one token per text chunk
-    return RequestTiming(first - start, (last - first) / max(completion_tokens - 1, 1), completion_tokens)
+    reply = await stream_chat(client, url, chat_body(model, messages, max_tokens))
+    return RequestTiming(reply.ttft_s, reply.decode_s / max(reply.completion_tokens - 1, 1), reply.completion_tokens)
 
 
 async def run_level(url: str, model: str, conversations: list[list[dict]], concurrency: int, max_tokens: int) -> tuple[list[RequestTiming], float]:
@@ -205,24 +194,68 @@ def summary_row(under_test: ServerUnderTest, concurrency: int, timings: list[Req
     }
 
 
-def measure_server(under_test: ServerUnderTest, conversations, levels: list[int], requests_per_client: int, max_tokens: int, log_dir: Path) -> list[dict]:
+def start_warm_server(under_test: ServerUnderTest, conversations: list[list[dict]], log_dir: Path, stack: ExitStack) -> RunningServer:
+    """UNDER_TEST started (STACK stops it), then one untimed request: lazy start-up work (KV pool, first forwards) stays out of level 1."""
     started = time.perf_counter()
     server = start_process(under_test.command, under_test.port, log_dir, env=under_test.env)
+    stack.callback(stop_server, server)
     print(f"{under_test.server}/{under_test.drafter} healthy after {time.perf_counter() - started:.1f} s", flush=True)
-    rows = []
-    try:
-        # One untimed request first: lazy start-up work (KV pool, first forwards) stays out of level 1.
-        asyncio.run(run_level(server.api_url, under_test.model, conversations[:1], 1, WARMUP_MAX_TOKENS))
-        for concurrency in levels:
-            batch = [conversations[i % len(conversations)] for i in range(concurrency * requests_per_client)]
-            before = scrape_spec_counters(server)
-            timings, seconds = asyncio.run(run_level(server.api_url, under_test.model, batch, concurrency, max_tokens))
-            spec = counter_delta(before, scrape_spec_counters(server))
-            rows.append(summary_row(under_test, concurrency, timings, seconds, spec))
-            print(json.dumps(rows[-1]), flush=True)
-    finally:
-        stop_server(server)
+    asyncio.run(run_level(server.api_url, under_test.model, conversations[:1], 1, WARMUP_MAX_TOKENS))
+    return server
+
+
+@contextmanager
+def running_servers(servers: list[ServerUnderTest], conversations: list[list[dict]], log_dir: Path) -> Iterator[list[RunningServer]]:
+    """All SERVERS started and warmed up, one after another; all stopped on leaving, also on error."""
+    with ExitStack() as stack:
+        yield [start_warm_server(under_test, conversations, log_dir, stack) for under_test in servers]
+
+
+def level_order(num_servers: int, level_index: int) -> list[int]:
+    """Server indices in the order they are driven at the LEVEL_INDEX-th level: as given, reversed at every other level."""
+    order = list(range(num_servers))
+    return order if level_index % 2 == 0 else order[::-1]
+
+
+def level_batch(conversations: list[list[dict]], concurrency: int, requests_per_client: int) -> list[list[dict]]:
+    return [conversations[i % len(conversations)] for i in range(concurrency * requests_per_client)]
+
+
+def measure_level(under_test: ServerUnderTest, server: RunningServer, batch: list[list[dict]], concurrency: int, max_tokens: int) -> dict:
+    """One summary row: BATCH through CONCURRENCY clients against SERVER, with its speculative counters over the level."""
+    before = scrape_spec_counters(server)
+    timings, seconds = asyncio.run(run_level(server.api_url, under_test.model, batch, concurrency, max_tokens))
+    return summary_row(under_test, concurrency, timings, seconds, counter_delta(before, scrape_spec_counters(server)))
+
+
+def drive_levels(num_servers: int, levels: list[int], measure: Callable[[int, int], dict],
+                 after_level: Callable[[list[dict]], None]) -> list[dict]:
+    """Each level, every server in level_order via MEASURE(index, concurrency); rows kept in server order per level.
+
+    Each row gets `measured_at_s`, seconds from the first measurement's start to its own; AFTER_LEVEL gets the rows so far.
+    """
+    rows: list[dict] = []
+    start = time.perf_counter()  # seconds
+    for level_index, concurrency in enumerate(levels):
+        level_rows = {}
+        for index in level_order(num_servers, level_index):
+            measured_at_s = round(time.perf_counter() - start, 1)
+            level_rows[index] = {**measure(index, concurrency), "measured_at_s": measured_at_s}
+            print(json.dumps(level_rows[index]), flush=True)
+        rows += [level_rows[index] for index in range(num_servers)]
+        after_level(rows)
     return rows
+
+
+def measure_servers(servers: list[ServerUnderTest], conversations: list[list[dict]], levels: list[int], requests_per_client: int,
+                    max_tokens: int, log_dir: Path, after_level: Callable[[list[dict]], None]) -> list[dict]:
+    """All SERVERS up at once, driven level by level (drive_levels), and stopped at the end."""
+    with running_servers(servers, conversations, log_dir) as running:
+        def measure(index: int, concurrency: int) -> dict:
+            batch = level_batch(conversations, concurrency, requests_per_client)
+            return measure_level(servers[index], running[index], batch, concurrency, max_tokens)
+
+        return drive_levels(len(servers), levels, measure, after_level)
 
 
 def throughput_ratios(rows: list[dict]) -> list[dict]:
@@ -247,7 +280,7 @@ def _cell(value, spec: str = "") -> str:
 
 
 def markdown_report(rows: list[dict], ratios: list[dict], command: str) -> str:
-    lines = ["# Concurrency, MT-Redundant turn 2", "", f"Command: `{command}`", "",
+    lines = ["# Concurrency, MT-Redundant turn 2", "", ORDER_NOTE, "", f"Command: `{command}`", "",
              "| concurrency | server | drafter | tok/s | TTFT p50 s | TTFT p99 s | ITL p50 s | τ | drafted | verified |",
              "|" + "---|" * 10]
     for r in rows:
@@ -334,16 +367,13 @@ def peers_under_test(args, conversations: list[list[dict]], tokenizer) -> tuple[
     return peers, setup
 
 
-def run_concurrency_benchmark(args, questions: list[dict], tokenizer, baseline_runner, engine_flags: list[str], out_dir: Path) -> list[dict]:
+def run_concurrency_benchmark(args, conversations: list[list[dict]], tokenizer, engine_flags: list[str], out_dir: Path) -> list[dict]:
+    """CONVERSATIONS (turn-2 histories, from turn2_conversations) through every server under test, level by level."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    conversations = turn2_conversations(questions, tokenizer, baseline_runner, args.max_new_tokens)
     model = resolve_model_source(args.model).name
     servers = [specserve_under_test(d, engine_flags, model) for d in args.concurrency_drafters]
     peers, setup = peers_under_test(args, conversations, tokenizer)
-    setup["specserve_flags"] = engine_flags
+    setup.update(specserve_flags=engine_flags, order=ORDER)
     command = "specserve " + " ".join(sys.argv[1:])
-    rows = []
-    for under_test in servers + peers:
-        rows += measure_server(under_test, conversations, args.concurrency, args.requests_per_client, args.max_new_tokens, out_dir)
-        write_concurrency_results(rows, command, out_dir, setup)
-    return rows
+    return measure_servers(servers + peers, conversations, args.concurrency, args.requests_per_client, args.max_new_tokens,
+                           out_dir, lambda rows: write_concurrency_results(rows, command, out_dir, setup))

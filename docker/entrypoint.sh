@@ -2,6 +2,9 @@
 # Starts `specserve serve` with flags taken from SPECSERVE_* environment variables (see README.md).
 # Arguments given to the container (`docker run IMAGE --copy-gamma 4`) come last, so they win.
 set -eu
+[ -n "${SPECSERVE_MAX_SESSIONS:-}" ] && set -- --max-sessions "$SPECSERVE_MAX_SESSIONS" "$@"
+[ -n "${SPECSERVE_SESSION_TTL:-}" ] && set -- --session-ttl "$SPECSERVE_SESSION_TTL" "$@"
+[ -n "${SPECSERVE_SESSION_MODE:-}" ] && set -- --session-mode "$SPECSERVE_SESSION_MODE" "$@"
 [ -n "${SPECSERVE_SERVED_MODEL_NAME:-}" ] && set -- --served-model-name "$SPECSERVE_SERVED_MODEL_NAME" "$@"
 [ -n "${SPECSERVE_MAX_WAITING:-}" ] && set -- --max-waiting "$SPECSERVE_MAX_WAITING" "$@"
 [ -n "${SPECSERVE_MAX_NUM_BATCHED_TOKENS:-}" ] && set -- --max-num-batched-tokens "$SPECSERVE_MAX_NUM_BATCHED_TOKENS" "$@"

@@ -23,11 +23,30 @@ class Draft:
         return len(self.token_ids)
 
 
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 class Drafter(Protocol):
+    """Per request: `begin`, then `extend` and `propose` each step, then `finish`.
+
+    A session cache (engine/sessions.py) carries a drafter's state from one turn of a
+    conversation to the next: what `finish` returns for a turn is what `begin` gets
+    for the conversation's next turn. A state is the drafter's own, opaque to everyone
+    else; the next turn's prompt may extend the history it was built on or part from
+    it (an edited turn), and `begin` must be right either way. A drafter keeps no
+    reference to a state after `finish` returns it.
+    """
+
     name: str
 
-    def begin(self, req: DraftableRequest) -> None:
-        """Index a new request: its prompt and any session history it carries."""
+    def begin(self, req: DraftableRequest, state: object | None = None) -> None:
+        """Index a new request: its prompt, on top of the state its session's last turn left (None: afresh)."""
 
     def extend(self, req: DraftableRequest, new_token_ids: Sequence[int]) -> None:
         """Take the tokens just appended to `req.all_token_ids` into the drafter's state."""
@@ -35,5 +54,5 @@ class Drafter(Protocol):
     def propose(self, reqs: Sequence[DraftableRequest]) -> list[Draft]:
         """One draft per request, in order."""
 
-    def finish(self, req: DraftableRequest) -> None:
-        """Forget a request that finished or was aborted."""
+    def finish(self, req: DraftableRequest) -> object | None:
+        """Forget a request that finished or was aborted; returns its state for the session's next turn."""

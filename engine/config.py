@@ -9,6 +9,7 @@ from scheduler.config import SchedulerConfig
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SESSION_MODES = ("implicit", "explicit", "off")
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,26 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class SessionConfig:
+    """Multi-turn session caches (engine/sessions.py)."""
+
+    mode: str = "implicit"  # implicit: named sessions and longest cached prefix | explicit: named sessions only | off
+    ttl_s: float = 600.0  # seconds a session stays cached after its last use
+    max_sessions: int = 256  # sessions cached at once; the least recently used goes first
+
+    def __post_init__(self) -> None:
+        if self.mode not in SESSION_MODES:
+            raise ValueError(f"session mode must be one of {SESSION_MODES}, got {self.mode!r}")
+        if self.ttl_s <= 0:
+            raise ValueError("session ttl must be positive")
+        if self.max_sessions < 1:
+            raise ValueError("max_sessions must be at least 1")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    sessions: SessionConfig = field(default_factory=SessionConfig)

@@ -12,7 +12,8 @@ from engine.packed_runner import ForwardItem, PackedModelRunner
 from engine.paged_attention import FLASH_BLOCK_SIZE, PagedKVPool, resolve_attention_backend
 from engine.profiler import profile_forward_latency
 from engine.sampler import Verifier
-from engine.wire import EngineOutputs, EngineReady, EngineRequest, RequestOutput
+from engine.sessions import SessionStore
+from engine.wire import EngineOutputs, EngineReady, EngineRequest, RequestOutput, StepStats
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.latency import LatencyModel
 from scheduler.request import Request
@@ -35,8 +36,10 @@ class Engine:
         self.max_model_len = min(loaded.max_model_len, blocks.num_blocks * blocks.block_size)
         self.runner = PackedModelRunner(loaded.model, loaded.device, pool, backend)
         self.latency_profile = profile_forward_latency(self.runner, blocks, self.vocab_size, self.max_model_len)  # s by num tokens
+        self.sessions = SessionStore(config.sessions, blocks) if config.sessions.mode != "off" else None
         self.scheduler = Scheduler(
-            config.scheduler, self.max_model_len, self.eos_token_ids, blocks, LatencyModel(self.latency_profile)
+            config.scheduler, self.max_model_len, self.eos_token_ids, blocks, LatencyModel(self.latency_profile),
+            turn_cache=self.sessions,
         )
         self.drafter = build_drafter(config.spec)
         self.verifier = Verifier()
@@ -59,8 +62,9 @@ class Engine:
             return RequestOutput(request.request_id, [], finish_reason="error", error=error)
         req = Request(request.request_id, list(request.prompt_token_ids), request.sampling, request.session_id)
         self.scheduler.add_request(req)
+        drafter_state = self.sessions.attach(req) if self.sessions else None
         if self.drafter:
-            self.drafter.begin(req)
+            self.drafter.begin(req, drafter_state)
         return None
 
     def _validate(self, request: EngineRequest) -> str | None:
@@ -80,15 +84,31 @@ class Engine:
         if req is None:
             return None
         self._release(req)
-        return RequestOutput(request_id, [], finish_reason="abort", num_prompt_tokens=req.num_prompt_tokens, spec=req.spec)
+        return RequestOutput(
+            request_id, [], finish_reason="abort", num_prompt_tokens=req.num_prompt_tokens, spec=req.spec,
+            num_cached_tokens=req.num_cached_tokens,
+        )
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def expire_idle_sessions(self) -> StepStats | None:
+        """Between steps, while idle: evict sessions past their TTL; their stats when any went."""
+        if not self.sessions:
+            return None
+        self.sessions.expire()
+        if not self.sessions.stats.evictions:
+            return None
+        stats = StepStats(kv_cache_usage=self.scheduler.blocks.usage)
+        self._add_session_stats(stats)
+        return stats
+
     # --- the step -------------------------------------------------------------------------
     def step(self) -> EngineOutputs:
         start = time.perf_counter()
+        if self.sessions:
+            self.sessions.expire()
         sched_out = self.scheduler.schedule()
         items = [_forward_item(item) for item in sched_out.scheduled]
         logits = self.runner.execute(items, self.scheduler.blocks) if items else []
@@ -99,6 +119,7 @@ class Engine:
         ]
         outputs, stats = self.scheduler.update(sched_out, sampled)
         self._after_update(sched_out.scheduled, outputs)
+        self._add_session_stats(stats)
         stats.step_seconds = time.perf_counter() - start
         self.scheduler.observe_step_seconds(sched_out, stats.step_seconds)
         return EngineOutputs(outputs=outputs, stats=stats)
@@ -117,8 +138,16 @@ class Engine:
 
     def _release(self, req: Request) -> None:
         self.verifier.finish(req.request_id)
-        if self.drafter:
-            self.drafter.finish(req)
+        drafter_state = self.drafter.finish(req) if self.drafter else None
+        if self.sessions:
+            self.sessions.end(req.request_id, drafter_state)
+
+    def _add_session_stats(self, stats: StepStats) -> None:
+        if self.sessions:
+            counts = self.sessions.take_stats()
+            stats.session_hits, stats.session_misses = counts.hits, counts.misses
+            stats.session_reused_tokens, stats.session_evictions = counts.reused_tokens, counts.evictions
+            stats.num_sessions = self.sessions.num_sessions
 
 
 def _forward_item(item: ScheduledRequest) -> ForwardItem:

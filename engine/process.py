@@ -42,6 +42,7 @@ class EngineLoop:
         while True:
             self._exit_if_orphaned()
             if not self.engine.has_work and not self.inbox.poll(IDLE_POLL_MS):
+                self._expire_idle_sessions()
                 continue
             replies = self._drain_inbox()
             if self.engine.has_work:
@@ -50,6 +51,12 @@ class EngineLoop:
                 self.send(step_outputs)
             elif replies:
                 self.send(EngineOutputs(outputs=replies, stats=StepStats()))
+
+    def _expire_idle_sessions(self) -> None:
+        """Sessions past their TTL go while no request runs too; the server learns of it like after a step."""
+        stats = self.engine.expire_idle_sessions()
+        if stats is not None:
+            self.send(EngineOutputs(outputs=[], stats=stats))
 
     def _drain_inbox(self) -> list[RequestOutput]:
         replies = []

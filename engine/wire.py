@@ -50,6 +50,7 @@ class RequestOutput(msgspec.Struct):
     num_prompt_tokens: int = 0
     spec: SpecStats | None = None  # the request's running speculative totals
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from a session cache
 
 
 class DraftStepStats(msgspec.Struct):
@@ -75,6 +76,11 @@ class StepStats(msgspec.Struct):
     kv_cache_usage: float = 0.0  # fraction of the paged KV pool's blocks in use after the step
     num_scheduled_tokens: int = 0  # tokens in the step's packed forward: prefill chunks, last tokens, drafts
     num_preemptions: int = 0  # requests sent back to the waiting queue this step (recomputed later)
+    session_hits: int = 0  # requests since the last step that found a cached session
+    session_misses: int = 0  # requests since the last step that looked for a session and found none
+    session_reused_tokens: int = 0  # their prompt tokens whose KV came from a session: prefill saved
+    session_evictions: int = 0  # sessions evicted since the last step
+    num_sessions: int = 0  # sessions cached after the step
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):

@@ -14,6 +14,15 @@ from __future__ import annotations
 
 
 class KVBlockManager:
+    """Block tables of requests over one pool; a block may be shared.
+
+    A block is referenced by the request tables that contain it and by holders
+    outside them (the session cache keeps a finished turn's blocks for the next
+    turn); it is free once nothing references it. A request may start from shared
+    blocks (`share`), whose positions it never writes: it only reads them and adds
+    blocks of its own after them.
+    """
+
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("the KV pool needs at least one block of at least one position")
@@ -21,6 +30,9 @@ class KVBlockManager:
         self.block_size = block_size
         self._free: set[int] = set(range(num_blocks))
         self.block_tables: dict[str, list[int]] = {}  # request id -> [num blocks owned] block ids
+        self._table_refs = [0] * num_blocks  # [num_blocks] request tables holding each block
+        self._held_refs = [0] * num_blocks  # [num_blocks] holders outside the tables (cached sessions)
+        self._num_in_tables = 0  # blocks held by at least one request table
 
     @property
     def num_free_blocks(self) -> int:
@@ -28,8 +40,13 @@ class KVBlockManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of the pool's blocks in use."""
-        return 1.0 - len(self._free) / self.num_blocks
+        """Fraction of the pool's blocks that requests (running, or waiting with a reused prefix) hold."""
+        return self._num_in_tables / self.num_blocks
+
+    @property
+    def num_held_only_blocks(self) -> int:
+        """Blocks that only holders outside the tables keep: what evicting every cached session would free."""
+        return self.num_blocks - len(self._free) - self._num_in_tables
 
     def blocks_needed(self, num_positions: int) -> int:
         return -(-num_positions // self.block_size)
@@ -52,9 +69,31 @@ class KVBlockManager:
             block = table[-1] + 1 if table else None
             if block not in self._free:
                 block = self._roomiest_start(needed - taken)
-            self._free.remove(block)
+            self._add_table_ref(block)
             table.append(block)
         return table
+
+    def share(self, request_id: str, block_ids: list[int]) -> None:
+        """Start the request's table with blocks already in use (a reused prefix)."""
+        if request_id in self.block_tables:
+            raise ValueError(f"{request_id} already has a block table")
+        for block in block_ids:
+            if block in self._free:
+                raise ValueError(f"block {block} is free: only blocks in use can be shared")
+            self._add_table_ref(block)
+        self.block_tables[request_id] = list(block_ids)
+
+    def hold(self, block_ids: list[int]) -> None:
+        """Keep blocks in use outside any request table, until `release`."""
+        for block in block_ids:
+            if block in self._free:
+                raise ValueError(f"block {block} is free: only blocks in use can be held")
+            self._held_refs[block] += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        for block in block_ids:
+            self._held_refs[block] -= 1
+            self._free_if_unused(block)
 
     def _roomiest_start(self, num_blocks: int) -> int:
         """A free block with room after it: the middle of the largest free run, less the blocks about to be taken."""
@@ -65,11 +104,27 @@ class KVBlockManager:
         """Release the blocks past `num_positions` positions (rejected drafts, rollback)."""
         table = self.block_tables.get(request_id, [])
         keep = self.blocks_needed(num_positions)
-        self._free.update(table[keep:])
+        for block in table[keep:]:
+            self._drop_table_ref(block)
         del table[keep:]
 
     def free(self, request_id: str) -> None:
-        self._free.update(self.block_tables.pop(request_id, ()))
+        for block in self.block_tables.pop(request_id, ()):
+            self._drop_table_ref(block)
+
+    def _add_table_ref(self, block: int) -> None:
+        self._free.discard(block)
+        self._table_refs[block] += 1
+        self._num_in_tables += self._table_refs[block] == 1
+
+    def _drop_table_ref(self, block: int) -> None:
+        self._table_refs[block] -= 1
+        self._num_in_tables -= self._table_refs[block] == 0
+        self._free_if_unused(block)
+
+    def _free_if_unused(self, block: int) -> None:
+        if self._table_refs[block] == 0 and self._held_refs[block] == 0:
+            self._free.add(block)
 
     def slots(self, request_id: str, start: int, end: int) -> list[int]:
         """[end - start] flat pool slots of positions start..end-1 of the request."""

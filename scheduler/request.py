@@ -22,6 +22,7 @@ class Request:
     session_id: str | None = None
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, grows as tokens are accepted
     num_computed_tokens: int = 0  # positions whose KV is in the cache
+    num_cached_tokens: int = 0  # prompt positions whose KV a session cache supplied (prefill saved)
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step
     draft_source: str = ""
     status: RequestStatus = RequestStatus.WAITING

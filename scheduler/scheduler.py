@@ -13,12 +13,17 @@ waiting request is ever passed over by a later one; a request that runs out of K
 blocks takes them from the youngest running request (preempted: its blocks are
 freed and it goes back to the front of the queue to be recomputed), never from an
 older one, so the oldest request always progresses and every request finishes.
+
+Cached sessions (an optional `TurnCache`) hold the KV blocks of finished turns; they
+always give way: before a request waits for blocks or preempts another, the cache is
+asked to release blocks, least recently used sessions first.
 """
 from __future__ import annotations
 
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from drafters.base import Draft
 from engine.wire import DraftStepStats, RequestOutput, StepStats
@@ -35,6 +40,16 @@ OVERHEAD_SMOOTHING = 0.1  # weight of the latest step in the running mean of the
 
 class QueueFullError(RuntimeError):
     pass
+
+
+class TurnCache(Protocol):
+    """What keeps finished turns for the next turn of their conversation (engine/sessions.py)."""
+
+    def keep(self, req: Request, block_ids: list[int]) -> None:
+        """A request is finishing: its blocks are about to be freed, so hold what is worth keeping."""
+
+    def reclaim(self, num_blocks: int) -> None:
+        """Release held blocks, least recently used first, until `num_blocks` more are free or none is held."""
 
 
 @dataclass
@@ -77,6 +92,7 @@ class Scheduler:
         blocks: KVBlockManager,
         latency: LatencyModel | None = None,
         estimator: AcceptanceEstimator | None = None,
+        turn_cache: TurnCache | None = None,
     ) -> None:
         self.config = config
         self.max_model_len = max_model_len
@@ -84,6 +100,7 @@ class Scheduler:
         self.blocks = blocks
         self.latency = latency
         self.estimator = estimator or PositionalAcceptance(config.acceptance_prior, config.acceptance_prior_weight)
+        self.turn_cache = turn_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first
         self.step_overhead_seconds = 0.0  # running mean of measured step time minus the profiled forward time
@@ -135,7 +152,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             head = self.waiting[0]
             first_chunk = min(head.num_uncomputed_tokens, self.config.max_num_batched_tokens)
-            if self.blocks.num_new_blocks(head.request_id, first_chunk) > self.blocks.num_free_blocks:
+            if not self._make_room(head, head.num_computed_tokens + first_chunk):
                 return
             self.waiting.popleft()
             head.status = RequestStatus.RUNNING
@@ -160,6 +177,7 @@ class Scheduler:
                 return
             if req.status is not RequestStatus.RUNNING or req.num_uncomputed_tokens == 1:
                 continue
+            self._make_room(req, req.num_computed_tokens + min(req.num_uncomputed_tokens, budget))
             chunk = self._chunk_that_fits(req, budget)
             if chunk <= 0 and self._reserve_blocks(req, req.num_computed_tokens + 1, out):
                 chunk = self._chunk_that_fits(req, budget)  # younger requests gave their blocks back
@@ -203,6 +221,13 @@ class Scheduler:
         return max(min(len(req.draft_token_ids), room), 0)
 
     # --- KV blocks and preemption --------------------------------------------------------
+    def _make_room(self, req: Request, num_positions: int) -> bool:
+        """Whether the free blocks let the request cover `num_positions`, after cached sessions gave theirs back."""
+        missing = self.blocks.num_new_blocks(req.request_id, num_positions) - self.blocks.num_free_blocks
+        if missing > 0 and self.turn_cache:
+            self.turn_cache.reclaim(missing)
+        return self.blocks.can_grow(req.request_id, num_positions)
+
     def _positions_available(self, req: Request) -> int:
         """Positions the request could cover with the blocks it owns plus every free block."""
         owned = len(self.blocks.block_tables.get(req.request_id, ()))
@@ -214,7 +239,7 @@ class Scheduler:
         Returns False when even that is not enough; the request itself is then preempted
         if it is the youngest, or simply waits for this step otherwise.
         """
-        while not self.blocks.can_grow(req.request_id, num_positions):
+        while not self._make_room(req, num_positions):
             victim = self.running[-1]
             if victim is req and req.num_uncomputed_tokens == 1:
                 self._preempt(req, out)
@@ -230,7 +255,7 @@ class Scheduler:
         self.blocks.free(req.request_id)
         self.running.remove(req)
         req.status = RequestStatus.WAITING
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_cached_tokens = 0  # recomputed in full, cached prefix included
         req.draft_token_ids = []
         self.waiting.appendleft(req)
         out.num_preemptions += 1
@@ -273,10 +298,12 @@ class Scheduler:
     def _update_one(self, item: ScheduledRequest, token_ids: list[int]) -> RequestOutput:
         req = item.req
         self._record_speculation(item, num_accepted=len(token_ids) - 1)
-        new_token_ids = self._append_until_stop(req, token_ids)
-        req.num_computed_tokens = len(req.all_token_ids) - 1
+        new_token_ids, stop_reason = self._append_until_stop(req, token_ids)
+        req.num_computed_tokens = len(req.all_token_ids) - 1  # the last token and the accepted drafts are in the cache
         req.draft_token_ids = []
-        if not req.is_finished:
+        if stop_reason:
+            self._finish(req, stop_reason)
+        else:
             self.blocks.shrink(req.request_id, req.num_computed_tokens + 1)  # rejected drafts' KV goes back
         return RequestOutput(
             request_id=req.request_id,
@@ -284,6 +311,7 @@ class Scheduler:
             finish_reason=req.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             spec=req.spec,  # running totals, so a request closed early still reports them
+            num_cached_tokens=req.num_cached_tokens,
         )
 
     def _record_speculation(self, item: ScheduledRequest, num_accepted: int) -> None:
@@ -295,16 +323,16 @@ class Scheduler:
         spec.num_accepted_tokens += num_accepted
         self.estimator.observe(item.req, item.num_draft_tokens, num_accepted)
 
-    def _append_until_stop(self, req: Request, token_ids: list[int]) -> list[int]:
+    def _append_until_stop(self, req: Request, token_ids: list[int]) -> tuple[list[int], str | None]:
+        """Append tokens up to and including the first that stops the request; returns them and the stop reason."""
         appended = []
         for token_id in token_ids:
             req.all_token_ids.append(token_id)
             appended.append(token_id)
             reason = self._stop_reason(req, token_id)
             if reason:
-                self._finish(req, reason)
-                break
-        return appended
+                return appended, reason
+        return appended, None
 
     def _stop_reason(self, req: Request, token_id: int) -> str | None:
         if token_id in self.eos_token_ids and not req.sampling.ignore_eos:
@@ -318,6 +346,8 @@ class Scheduler:
     def _finish(self, req: Request, reason: str) -> None:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        if self.turn_cache and req.request_id in self.blocks.block_tables:
+            self.turn_cache.keep(req, self.blocks.block_tables[req.request_id])
         self.blocks.free(req.request_id)
 
 

@@ -7,7 +7,9 @@ import sys
 
 from drafters.config import SpecConfig
 from drafters.registry import DRAFTER_NAMES
-from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, CacheConfig, EngineConfig, ModelConfig
+from engine.config import (
+    ATTENTION_BACKENDS, DEVICES, DTYPES, SESSION_MODES, CacheConfig, EngineConfig, ModelConfig, SessionConfig,
+)
 from scheduler.config import SchedulerConfig
 from server.auth import API_KEY_ENV
 from server.config import Config, ServerConfig
@@ -32,6 +34,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-goodput-planner", action="store_true", help="verify every drafted token")
     parser.add_argument("--copy-gamma", type=int, default=SpecConfig.copy_gamma, help="CopySpec match length γ")
     parser.add_argument("--copy-max-tokens", type=int, default=SpecConfig.copy_max_tokens, help="CopySpec tokens copied per match |S|")
+    parser.add_argument(
+        "--session-mode", choices=SESSION_MODES, default=SessionConfig.mode,
+        help="multi-turn session caches: implicit (X-Session-ID / session_id, else the longest cached prefix), "
+             "explicit (named sessions only) or off",
+    )
+    parser.add_argument("--session-ttl", type=float, default=SessionConfig.ttl_s, help="seconds a session stays cached after its last use")
+    parser.add_argument("--max-sessions", type=int, default=SessionConfig.max_sessions, help="sessions cached at once (LRU)")
 
 
 def engine_config_from_args(args: argparse.Namespace, drafter: str) -> EngineConfig:
@@ -45,6 +54,7 @@ def engine_config_from_args(args: argparse.Namespace, drafter: str) -> EngineCon
             use_goodput_planner=not args.no_goodput_planner,
         ),
         spec=SpecConfig(drafter=drafter, copy_gamma=args.copy_gamma, copy_max_tokens=args.copy_max_tokens),
+        sessions=SessionConfig(args.session_mode, args.session_ttl, args.max_sessions),
     )
 
 

@@ -36,6 +36,7 @@ class Generation:
         self.finish_reason: str | None = None  # "stop" | "length" once finished
         self.num_completion_tokens = 0  # generated tokens received from the engine
         self.spec: SpecStats | None = None  # the latest stats the engine sent
+        self.num_cached_tokens = first.num_cached_tokens  # prompt tokens whose KV a session cache supplied
 
     async def deltas(self) -> AsyncIterator[str]:
         """Non-empty text deltas until the request finishes or hits a stop string."""
@@ -63,6 +64,7 @@ class Generation:
     def _on_output(self, output: RequestOutput) -> str:
         self.num_completion_tokens += len(output.new_token_ids)
         self.spec = output.spec or self.spec
+        self.num_cached_tokens = output.num_cached_tokens
         finished = output.finish_reason is not None
         if finished:
             _raise_if_failed(output)

@@ -5,10 +5,8 @@ carries `model_name`, and the speculative ones a `drafter` label. Series without
 other labels are created at start-up, so they export 0 before the first request
 (dashboards and alerts then see the server, not an absent series).
 
-KV-pool use, preemptions and the session-cache series are read from `StepStats` fields
-that engines may not send yet (`kv_cache_usage`, `num_preemptions`, `session_hits`,
-`session_misses`, `session_reused_tokens`, `session_evictions`, `num_sessions`): a
-missing field reads as 0, so those series stay 0 until the engine fills them.
+KV-pool use, preemptions and the session-cache series come from the engine's `StepStats`
+too; with `--session-mode off` the session series stay 0.
 """
 from __future__ import annotations
 
@@ -109,15 +107,15 @@ class ServerMetrics:
                 self.accepted_per_pos.labels(m, drafter, str(position)).inc(count)
 
     def _observe_cache_stats(self, stats: StepStats) -> None:
-        """KV-pool, preemption and session-cache fields; an engine that does not send them yet reads as 0."""
+        """KV-pool, preemption and session-cache fields."""
         m = self.model_name
-        self.kv_cache_usage.labels(m).set(getattr(stats, "kv_cache_usage", 0.0))
-        self.preemptions.labels(m).inc(getattr(stats, "num_preemptions", 0))
-        self.session_hits.labels(m).inc(getattr(stats, "session_hits", 0))
-        self.session_misses.labels(m).inc(getattr(stats, "session_misses", 0))
-        self.session_reused_tokens.labels(m).inc(getattr(stats, "session_reused_tokens", 0))
-        self.session_evictions.labels(m).inc(getattr(stats, "session_evictions", 0))
-        self.num_sessions.labels(m).set(getattr(stats, "num_sessions", 0))
+        self.kv_cache_usage.labels(m).set(stats.kv_cache_usage)
+        self.preemptions.labels(m).inc(stats.num_preemptions)
+        self.session_hits.labels(m).inc(stats.session_hits)
+        self.session_misses.labels(m).inc(stats.session_misses)
+        self.session_reused_tokens.labels(m).inc(stats.session_reused_tokens)
+        self.session_evictions.labels(m).inc(stats.session_evictions)
+        self.num_sessions.labels(m).set(stats.num_sessions)
 
     def set_engine_healthy(self, healthy: bool) -> None:
         self.engine_healthy.labels(self.model_name).set(1 if healthy else 0)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_valid
 MAX_NUM_STOP = 4
 ROLES = ("system", "user", "assistant", "developer")
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_SESSION_ID_LENGTH = 256
 
 # field -> (is the value unsupported?, message)
 _UNSUPPORTED: dict[str, tuple[Any, str]] = {
@@ -54,7 +55,7 @@ class SamplingFields(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = 1
-    session_id: str | None = None  # extension: names the conversation for session reuse
+    session_id: str | None = Field(None, min_length=1, max_length=MAX_SESSION_ID_LENGTH)  # extension: names the conversation
     ignore_eos: bool = False  # extension: keep generating past EOS (benchmarks)
     # accepted only with their "off" values:
     logit_bias: dict[str, float] | None = None
@@ -194,10 +195,15 @@ class SpecStatsInfo(BaseModel):
     mean_acceptance_length: float = 1.0  # 1 + accepted / drafts
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the session cache (prefill saved)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 def _now() -> int:

@@ -28,7 +28,7 @@ from server.errors import (
     model_not_found,
 )
 from server.generation import Generation, close_outputs
-from server.protocol import SamplingFields, SpecStatsInfo, Usage
+from server.protocol import MAX_SESSION_ID_LENGTH, PromptTokensDetails, SamplingFields, SpecStatsInfo, Usage
 from server.sse import DONE_EVENT, EventStreamResponse, encode_event
 
 DISCONNECT_POLL_S = 0.5  # seconds between client-disconnect checks of non-streaming requests
@@ -88,8 +88,16 @@ def build_engine_request(
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,
         sampling=build_sampling_params(body, max_tokens, ready),
-        session_id=body.session_id or http_request.headers.get(SESSION_HEADER),
+        session_id=body.session_id or session_id_header(http_request),
     )
+
+
+def session_id_header(http_request: Request) -> str | None:
+    """The `X-Session-ID` header; 400 when it is empty or too long."""
+    value = http_request.headers.get(SESSION_HEADER)
+    if value is not None and not 0 < len(value) <= MAX_SESSION_ID_LENGTH:
+        raise APIError(400, f"{SESSION_HEADER} must have 1 to {MAX_SESSION_ID_LENGTH} characters", param=SESSION_HEADER)
+    return value
 
 
 def resolve_max_tokens(
@@ -130,6 +138,7 @@ def usage_of(num_prompt_tokens: int, generation: Generation) -> Usage:
         prompt_tokens=num_prompt_tokens,
         completion_tokens=num_completion_tokens,
         total_tokens=num_prompt_tokens + num_completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=generation.num_cached_tokens),
     )
 
 

@@ -1,19 +1,25 @@
-"""The concurrency benchmark's bookkeeping: rows, ratios, report files, peer setup and process start-up."""
+"""The concurrency benchmark's bookkeeping: rows, ratios, report files, peer setup, process start-up and the
+interleaved measuring order (all servers up at once, driven one after another at each level)."""
 from __future__ import annotations
 
 import json
 import math
 import sys
 
+import httpx
 import pytest
 
 from bench.concurrency import (
+    ORDER_NOTE,
     PEER_ENV,
     PEER_MIN_BLOCKS,
     PEER_PAGE_SIZE,
     RequestTiming,
     ServerUnderTest,
+    drive_levels,
+    level_order,
     markdown_report,
+    measure_servers,
     peer_device_and_dtype,
     peer_num_blocks,
     scrape_spec_counters,
@@ -27,6 +33,31 @@ from bench.server_process import free_port, start_process, stop_server
 from engine.model_source import ModelSource
 
 SPEC_KEYS = ("mean_acceptance_length", "drafted_tokens", "verified_draft_tokens")
+# A stand-in OpenAI server: /health answers 200, no /metrics; each chat request appends its `model` to LOG and streams two tokens.
+STAND_IN_SERVER = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+port, log = int(sys.argv[1]), sys.argv[2]
+CHUNKS = [{"choices": [{"delta": {"content": "a"}}]}, {"choices": [{"delta": {"content": "b"}}]},
+          {"choices": [], "usage": {"completion_tokens": 2}}]
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with open(log, "a") as f:
+            f.write(body["model"] + "\\n")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for chunk in CHUNKS:
+            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\\n\\n")
+        self.wfile.write(b"data: [DONE]\\n\\n")
+    def log_message(self, *args):
+        pass
+ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
 
 
 def under_test(server: str, drafter: str) -> ServerUnderTest:
@@ -87,6 +118,7 @@ def test_report_files(tmp_path):
         assert {"tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", *SPEC_KEYS} <= r.keys()
     assert [q["ratio"] for q in results["ratios"]] == [2.0, 2.0]
     markdown = (tmp_path / "results.md").read_text()
+    assert ORDER_NOTE in markdown
     assert "| 1 | transformers-serve | none | 5.0 |" in markdown and "| – | – | – |" in markdown
     assert "specserve/none ÷ transformers-serve/none" in markdown and "| 2 | 2.00 |" in markdown
     assert (tmp_path / "throughput.png").read_bytes()[:4] == b"\x89PNG"
@@ -169,3 +201,84 @@ def test_a_gguf_is_dequantized_once_per_file_version(tmp_path, monkeypatch):
     gguf.write_bytes(b"GGUF v2, another size")
     assert transformers_model_dir(source, tmp_path / "cache") == first and len(calls) == 2
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["tiny.Q4_1"]
+
+
+def test_level_order_reverses_at_every_other_level():
+    assert [level_order(3, i) for i in range(3)] == [[0, 1, 2], [2, 1, 0], [0, 1, 2]]
+    assert level_order(1, 1) == [0]
+
+
+def test_drive_levels_interleaves_servers_and_writes_after_each_level():
+    calls, written = [], []
+
+    def measure(index: int, concurrency: int) -> dict:
+        calls.append((index, concurrency))
+        return {"concurrency": concurrency, "index": index}
+
+    rows = drive_levels(3, [1, 4, 16], measure, lambda rows_so_far: written.append(list(rows_so_far)))
+    assert calls == [(0, 1), (1, 1), (2, 1), (2, 4), (1, 4), (0, 4), (0, 16), (1, 16), (2, 16)]
+    assert [(r["concurrency"], r["index"]) for r in rows] == [(c, i) for c in (1, 4, 16) for i in range(3)]
+    assert [len(w) for w in written] == [3, 6, 9] and written[-1] == rows
+    times = {(r["index"], r["concurrency"]): r["measured_at_s"] for r in rows}
+    in_measuring_order = [times[call] for call in calls]
+    assert in_measuring_order == sorted(in_measuring_order) and in_measuring_order[0] >= 0
+
+
+def test_drive_levels_keeps_finished_levels_when_a_later_one_fails():
+    written = []
+
+    def measure(index: int, concurrency: int) -> dict:
+        if concurrency == 4 and index == 0:
+            raise RuntimeError("server died")
+        return {"concurrency": concurrency, "index": index}
+
+    with pytest.raises(RuntimeError, match="server died"):
+        drive_levels(2, [1, 4], measure, lambda rows_so_far: written.append(list(rows_so_far)))
+    assert [[(r["concurrency"], r["index"]) for r in w] for w in written] == [[(1, 0), (1, 1)]]
+
+
+def stand_in(tmp_path, name: str) -> ServerUnderTest:
+    port = free_port()
+    command = [sys.executable, "-c", STAND_IN_SERVER, str(port), str(tmp_path / "requests.log")]
+    return ServerUnderTest("stand-in", name, command, port, name)
+
+
+def answers_health(under_test: ServerUnderTest) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{under_test.port}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_measure_servers_starts_all_up_front_and_drives_them_level_by_level(tmp_path):
+    servers = [stand_in(tmp_path, "a"), stand_in(tmp_path, "b")]
+    conversations = [[{"role": "user", "content": "hi"}]]
+    up_after_level = []
+    rows = measure_servers(servers, conversations, [1, 2], 1, 4, tmp_path,
+                           lambda rows_so_far: up_after_level.append([answers_health(s) for s in servers]))
+    # Warm-ups, then level 1 as given (a, b), then level 2 reversed (b b, a a): one server under load at a time.
+    assert (tmp_path / "requests.log").read_text().split() == ["a", "b", "a", "b", "b", "b", "a", "a"]
+    assert [(r["concurrency"], r["drafter"], r["num_requests"], r["completion_tokens"]) for r in rows] == [
+        (1, "a", 1, 2), (1, "b", 1, 2), (2, "a", 2, 4), (2, "b", 2, 4)]
+    assert all(r["mean_acceptance_length"] is None for r in rows)  # no /metrics
+    assert up_after_level == [[True, True], [True, True]]
+    assert not any(answers_health(s) for s in servers)
+
+
+def test_measure_servers_stops_every_server_on_error(tmp_path):
+    servers = [stand_in(tmp_path, "a"), stand_in(tmp_path, "b")]
+
+    def fail(rows_so_far):
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        measure_servers(servers, [[{"role": "user", "content": "hi"}]], [1], 1, 4, tmp_path, fail)
+    assert not any(answers_health(s) for s in servers)
+
+
+def test_a_server_that_fails_to_start_stops_those_already_up(tmp_path):
+    broken = ServerUnderTest("stand-in", "broken", [sys.executable, "-c", "raise SystemExit(3)"], free_port(), "m")
+    servers = [stand_in(tmp_path, "a"), broken]
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        measure_servers(servers, [[{"role": "user", "content": "hi"}]], [1], 1, 4, tmp_path, lambda rows: None)
+    assert not answers_health(servers[0])

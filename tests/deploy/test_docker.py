@@ -30,6 +30,9 @@ ENV_FLAGS = {  # SPECSERVE_* variable -> (a value, the flag it sets): every vari
     "SPECSERVE_KV_CACHE_MEMORY": ("1.5", "--kv-cache-memory"),
     "SPECSERVE_ATTENTION_BACKEND": ("sdpa", "--attention-backend"),
     "SPECSERVE_SERVED_MODEL_NAME": ("smol", "--served-model-name"),
+    "SPECSERVE_SESSION_MODE": ("explicit", "--session-mode"),
+    "SPECSERVE_SESSION_TTL": ("120", "--session-ttl"),
+    "SPECSERVE_MAX_SESSIONS": ("64", "--max-sessions"),
 }
 
 

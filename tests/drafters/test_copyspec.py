@@ -62,6 +62,50 @@ def test_requests_do_not_share_an_index():
     assert drafter.propose([first, second]) == [Draft([], "copyspec"), Draft([], "copyspec")]
 
 
+def finished_turn(drafter, request_id, prompt, output):
+    """One turn: begin, take its output, finish; returns the state the drafter hands its session."""
+    req = Req(request_id, prompt)
+    drafter.begin(req)
+    req.all_token_ids += output
+    drafter.extend(req, output)
+    return drafter.finish(req)
+
+
+def test_a_next_turn_resumes_the_index_and_copies_the_answer_as_generated():
+    drafter = CopySpecDrafter(gamma=2, max_tokens=4)
+    state = finished_turn(drafter, "t1", [1, 2, 3], [40, 41, 42, 43, 44])
+    index = state.index
+    # the client re-rendered the answer differently from what was generated (40 41 99 43 44), then asks again
+    turn2 = Req("t2", [1, 2, 3, 40, 41, 42, 43, 44, 7, 40, 41])
+    drafter.begin(turn2, state)
+    assert drafter._states["t2"].index is index and index.num_indexed == len(turn2.all_token_ids)
+    assert drafter.propose([turn2]) == [Draft([42, 43, 44, 7], "copyspec")]
+
+
+def test_an_edited_turn_keeps_the_old_answer_to_copy_from():
+    drafter = CopySpecDrafter(gamma=2, max_tokens=3)
+    state = finished_turn(drafter, "t1", [1, 2, 3], [60, 61, 62, 63])
+    edited = Req("t1-edited", [1, 5, 3])  # the user changed a word of turn 1 and asks again
+    drafter.begin(edited, state)
+    assert drafter._states["t1-edited"].corpus == [2, 3, 60, 61, 62, 63, 1, 5, 3]
+    edited.all_token_ids += [60]
+    drafter.extend(edited, [60])
+    assert drafter.propose([edited]) == [Draft([61, 62, 63], "copyspec")]  # the old answer
+
+
+def test_a_copy_source_stays_within_twice_the_context_over_many_edits():
+    drafter = CopySpecDrafter(gamma=2, max_tokens=3)
+    state = finished_turn(drafter, "t0", list(range(100, 130)), list(range(300, 310)))
+    for edit in range(6):
+        prompt = [100, 200 + edit] + list(range(102, 130))
+        req = Req(f"e{edit}", prompt)
+        drafter.begin(req, state)
+        req.all_token_ids += list(range(300, 310))
+        drafter.extend(req, list(range(300, 310)))
+        assert len(drafter._states[req.request_id].corpus) <= 2 * len(req.all_token_ids)
+        state = drafter.finish(req)
+
+
 def test_registry_builds_by_name():
     assert build_drafter(SpecConfig(drafter="none")) is None
     drafter = build_drafter(SpecConfig(drafter="copyspec", copy_gamma=5, copy_max_tokens=7))

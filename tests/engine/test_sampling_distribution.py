@@ -24,7 +24,7 @@ class FixedDrafter:
     def __init__(self, token_ids):
         self.token_ids = token_ids
 
-    def begin(self, req):
+    def begin(self, req, state=None):
         pass
 
     def extend(self, req, new_token_ids):
@@ -34,7 +34,7 @@ class FixedDrafter:
         return [Draft(list(self.token_ids), self.name) for _ in reqs]
 
     def finish(self, req):
-        pass
+        return None
 
 
 def sample_pairs(engine, params):

@@ -54,3 +54,32 @@ def test_a_fragmented_pool_still_serves_every_block_and_says_when_a_table_is_not
     assert manager.grow("g", 3) and manager.num_free_blocks == 0
     assert manager.contiguous_first_slot("g", 3) is None
     assert manager.contiguous_first_slot("g", 1) == manager.block_tables["g"][0]
+
+
+def test_shared_and_held_blocks_are_freed_only_when_nothing_references_them():
+    manager = KVBlockManager(num_blocks=8, block_size=4)
+    first = list(manager.grow("turn-1", 12))  # 3 blocks
+    manager.hold(first[:2])  # a session keeps the 2 full blocks of history
+    manager.free("turn-1")
+    assert manager.num_free_blocks == 6 and manager.usage == 0 and manager.num_held_only_blocks == 2
+    manager.share("turn-2", first[:2])  # the next turn reads them
+    manager.grow("turn-2", 14)
+    assert manager.block_tables["turn-2"][:2] == first[:2] and len(manager.block_tables["turn-2"]) == 4
+    assert manager.usage == 0.5 and manager.num_held_only_blocks == 0
+    manager.release(first[:2])  # the session goes: turn-2 still reads its prefix
+    assert manager.num_free_blocks == 4
+    manager.shrink("turn-2", 8)  # rollback never reaches below what it shares here; the blocks after go
+    assert manager.num_free_blocks == 6
+    manager.free("turn-2")
+    assert manager.num_free_blocks == 8 and manager.usage == 0
+
+
+def test_only_blocks_in_use_can_be_shared_or_held():
+    manager = KVBlockManager(num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="free"):
+        manager.share("r", [0])
+    with pytest.raises(ValueError, match="free"):
+        manager.hold([1])
+    manager.grow("r", 4)
+    with pytest.raises(ValueError, match="already"):
+        manager.share("r", manager.block_tables["r"])

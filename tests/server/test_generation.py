@@ -36,8 +36,11 @@ class OutputSource:
             raise
 
 
+CACHED = 4  # prompt tokens the engine says came from a session cache
+
+
 def outputs_of(token_chunks: list[list[int]], finish_reason: str = "length", **last) -> list[RequestOutput]:
-    outputs = [RequestOutput("r", ids) for ids in token_chunks]
+    outputs = [RequestOutput("r", ids, num_cached_tokens=CACHED) for ids in token_chunks]
     outputs[-1].finish_reason = finish_reason
     outputs[-1].spec = SPEC
     for name, value in last.items():
@@ -126,7 +129,10 @@ def test_chat_stream_events_follow_openai(tokenizer):
         "drafted_tokens": 12, "accepted_tokens": 6, "num_drafts": 4, "mean_acceptance_length": 2.5
     }
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": 10, "completion_tokens": len(token_ids), "total_tokens": 10 + len(token_ids)}
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": 10, "completion_tokens": len(token_ids), "total_tokens": 10 + len(token_ids),
+        "prompt_tokens_details": {"cached_tokens": CACHED},
+    }
     assert {c["id"] for c in chunks} == {"chatcmpl-x"}
 
 
@@ -150,10 +156,11 @@ def test_stream_reports_an_engine_failure_in_band(tokenizer):
 
 def test_non_streaming_objects_parse_with_the_openai_client_types():
     spec = spec_stats_info(SPEC)
-    usage = usage_of(3, type("G", (), {"num_completion_tokens": 2})())
+    usage = usage_of(3, type("G", (), {"num_completion_tokens": 2, "num_cached_tokens": 1})())
     chat = ChatFormatter("chatcmpl-x", "m").response("hello", "stop", usage, spec).model_dump(mode="json")
     parsed = openai_chat.ChatCompletion.model_validate(chat)
     assert parsed.choices[0].message.content == "hello" and parsed.usage.total_tokens == 5
+    assert parsed.usage.prompt_tokens_details.cached_tokens == 1
     assert chat["object"] == "chat.completion" and chat["spec_stats"]["accepted_tokens"] == 6
     text = CompletionFormatter("cmpl-x", "m").response("hello", "length", usage, spec).model_dump(mode="json")
     assert openai_types.Completion.model_validate(text).choices[0].text == "hello"

@@ -30,7 +30,7 @@ class StandInEngine:
         self.submit_error = submit_error
         self.requests = []  # EngineRequests that reached generate
         self.events = []  # "start" / "shutdown"
-        self.last_step_stats = StepStats(num_running=2, num_waiting=1, kv_cache_usage=0.25)
+        self.last_step_stats = StepStats(num_running=2, num_waiting=1, kv_cache_usage=0.25, num_sessions=3)
         self.dead_reason = None if healthy else "killed by the test"
         self.metrics = None
 
@@ -147,7 +147,9 @@ def test_unknown_route_and_wrong_method_have_openai_bodies(make_client):
 
 def test_health_and_models_when_ready(make_client):
     client, _ = make_client()
-    assert client.get("/health").json() == {"status": "ok", "num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25}
+    assert client.get("/health").json() == {
+        "status": "ok", "num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25, "num_sessions": 3
+    }
     models = client.get("/v1/models").json()
     assert models["object"] == "list"
     assert [(m["id"], m["object"]) for m in models["data"]] == [(MODEL, "model")]

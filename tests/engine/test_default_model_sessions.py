@@ -1,0 +1,40 @@
+"""Session caches change no output of the embedded model on the session benchmark's own conversations."""
+import pytest
+
+from bench.data import load_questions
+from bench.exactness import divergence_verdict
+from bench.mt import render_prompt
+from bench.sessions import mt_redundant_conversations, self_correction_conversations
+from drafters.config import SpecConfig
+from engine.config import EngineConfig, SessionConfig
+from engine.engine import Engine
+from engine.wire import SamplingParams
+from server.tokenizer import load_tokenizer
+from tests.engine.helpers import run_to_completion
+
+MT_REDUNDANT_IDS = (81, 121, 135)  # writing, coding, extraction
+NUM_SELF_CORRECTION = 1
+MAX_NEW_TOKENS = 64
+
+
+@pytest.mark.slow
+def test_greedy_output_with_sessions_equals_output_without_on_benchmark_conversations():
+    tokenizer = load_tokenizer(EngineConfig().model)
+    without = Engine(EngineConfig(sessions=SessionConfig(mode="off")))
+    with_sessions = Engine(EngineConfig(sessions=SessionConfig(mode="implicit")))
+    conversations = [c for c in mt_redundant_conversations(load_questions("mt-redundant")) if c.question_id in MT_REDUNDANT_IDS]
+    conversations += self_correction_conversations(load_questions("spec-bench"), NUM_SELF_CORRECTION)
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)]
+    num_cached = 0
+    for conversation in conversations:
+        messages = []
+        for turn, user_text in enumerate(conversation.user_turns, start=1):
+            messages.append({"role": "user", "content": user_text})
+            prompt = render_prompt(tokenizer, messages)
+            reference = run_to_completion(without, [prompt], params)["req-0"]
+            cached = run_to_completion(with_sessions, [prompt], params)["req-0"]
+            verdict = divergence_verdict(without.runner.model, prompt, reference.new_token_ids, cached.new_token_ids)
+            assert verdict != "mismatch", (conversation.session_id, turn)
+            num_cached += cached.num_cached_tokens if turn > 1 else 0
+            messages.append({"role": "assistant", "content": tokenizer.decode(reference.new_token_ids, skip_special_tokens=True)})
+    assert num_cached > 0, "later turns must have reused their history for this test to mean something"
