@@ -51,6 +51,17 @@ def test_greedy_speculation_equals_plain_decoding(engines):
     assert drafted > 0, "the test must exercise speculation"
 
 
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(engines):
+    batch = prompts(4, seed=3)
+    params = [SamplingParams(temperature=0.5, top_p=0.95, seed=11 + i, max_tokens=60, ignore_eos=True) for i in range(len(batch))]
+    reference = run_to_completion(engines["none"], batch, params)
+    speculative = run_to_completion(engines["copyspec"], batch, params)
+    assert sum(o.spec.num_accepted_tokens for o in speculative.values()) > 0, "drafts must be accepted for this to mean something"
+    assert sum(o.spec.num_draft_tokens - o.spec.num_accepted_tokens for o in speculative.values()) > 0, "and rejected"
+    for request_id, output in reference.items():
+        assert speculative[request_id].new_token_ids == output.new_token_ids, request_id
+
+
 def test_requests_in_flight_all_progress_and_match_alone(engines):
     batch = prompts(4, seed=1)
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * len(batch)
