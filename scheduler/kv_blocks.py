@@ -29,6 +29,7 @@ class KVBlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: set[int] = set(range(num_blocks))
+        self._free_runs = FreeRuns(num_blocks)  # the same blocks as runs of consecutive ids, for placement
         self.block_tables: dict[str, list[int]] = {}  # request id -> [num blocks owned] block ids
         self._table_refs = [0] * num_blocks  # [num_blocks] request tables holding each block
         self._held_refs = [0] * num_blocks  # [num_blocks] holders outside the tables (cached sessions)
@@ -66,9 +67,13 @@ class KVBlockManager:
             raise MemoryError(f"{request_id} needs {needed} KV blocks, {len(self._free)} are free")
         table = self.block_tables.setdefault(request_id, [])
         for taken in range(needed):
-            block = table[-1] + 1 if table else None
-            if block not in self._free:
-                block = self._roomiest_start(needed - taken)
+            if table and table[-1] + 1 in self._free:  # the request's run goes on (the free run starts there)
+                block = run_start = table[-1] + 1
+            else:  # room to grow: the middle of the largest free run, less the blocks about to be taken
+                run_start, length = self._free_runs.largest()
+                block = run_start + max(length - (needed - taken), 0) // 2
+            self._free.remove(block)
+            self._free_runs.remove(block, run_start)
             self._add_table_ref(block)
             table.append(block)
         return table
@@ -95,11 +100,6 @@ class KVBlockManager:
             self._held_refs[block] -= 1
             self._free_if_unused(block)
 
-    def _roomiest_start(self, num_blocks: int) -> int:
-        """A free block with room after it: the middle of the largest free run, less the blocks about to be taken."""
-        start, length = _largest_run(sorted(self._free))
-        return start + max(length - num_blocks, 0) // 2
-
     def shrink(self, request_id: str, num_positions: int) -> None:
         """Release the blocks past `num_positions` positions (rejected drafts, rollback)."""
         table = self.block_tables.get(request_id, [])
@@ -113,7 +113,6 @@ class KVBlockManager:
             self._drop_table_ref(block)
 
     def _add_table_ref(self, block: int) -> None:
-        self._free.discard(block)
         self._table_refs[block] += 1
         self._num_in_tables += self._table_refs[block] == 1
 
@@ -125,6 +124,7 @@ class KVBlockManager:
     def _free_if_unused(self, block: int) -> None:
         if self._table_refs[block] == 0 and self._held_refs[block] == 0:
             self._free.add(block)
+            self._free_runs.add(block)
 
     def slots(self, request_id: str, start: int, end: int) -> list[int]:
         """[end - start] flat pool slots of positions start..end-1 of the request."""
@@ -139,12 +139,31 @@ class KVBlockManager:
         return table[0] * self.block_size
 
 
-def _largest_run(sorted_blocks: list[int]) -> tuple[int, int]:
-    """(first block, length) of the longest run of consecutive ids in a non-empty sorted list."""
-    best_start, best_len, start = sorted_blocks[0], 0, sorted_blocks[0]
-    for prev, block in zip(sorted_blocks, sorted_blocks[1:] + [None]):
-        if block != prev + 1:
-            if prev - start + 1 > best_len:
-                best_start, best_len = start, prev - start + 1
-            start = block
-    return best_start, best_len
+class FreeRuns:
+    """Free blocks as maximal runs of consecutive ids; each change costs O(1), finding the largest O(number of runs)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.length_by_start: dict[int, int] = {0: num_blocks}  # first block of a run -> its length
+        self.start_by_end: dict[int, int] = {num_blocks - 1: 0}  # last block of a run -> its first
+
+    def largest(self) -> tuple[int, int]:
+        """(first block, length) of the longest run."""
+        return max(self.length_by_start.items(), key=lambda run: run[1])
+
+    def add(self, block: int) -> None:
+        """A block comes free: it joins the runs that end just before it and start just after it."""
+        start = self.start_by_end.pop(block - 1, block)
+        end = block + self.length_by_start.pop(block + 1, 0)
+        self.length_by_start[start] = end - start + 1
+        self.start_by_end[end] = start
+
+    def remove(self, block: int, run_start: int) -> None:
+        """A block of the run starting at `run_start` is taken: what is left either side stays free."""
+        end = run_start + self.length_by_start.pop(run_start) - 1
+        del self.start_by_end[end]
+        if block > run_start:
+            self.length_by_start[run_start] = block - run_start
+            self.start_by_end[block - 1] = run_start
+        if block < end:
+            self.length_by_start[block + 1] = end - block
+            self.start_by_end[end] = block + 1

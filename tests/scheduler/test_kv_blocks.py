@@ -83,3 +83,37 @@ def test_only_blocks_in_use_can_be_shared_or_held():
     manager.grow("r", 4)
     with pytest.raises(ValueError, match="already"):
         manager.share("r", manager.block_tables["r"])
+
+
+def runs_of(blocks: set[int]) -> dict[int, int]:
+    """{first block: length} of the maximal runs of consecutive ids in BLOCKS."""
+    runs = {}
+    for block in sorted(blocks):
+        if block - 1 not in blocks:
+            length = 1
+            while block + length in blocks:
+                length += 1
+            runs[block] = length
+    return runs
+
+
+def test_free_runs_follow_every_grow_shrink_hold_and_free():
+    import random
+
+    rng = random.Random(0)
+    manager = KVBlockManager(num_blocks=64, block_size=2)
+    for step in range(2000):
+        name = f"r{rng.randrange(8)}"
+        action = rng.random()
+        if action < 0.5 and manager.can_grow(name, 2 * len(manager.block_tables.get(name, ())) + 3):
+            manager.grow(name, 2 * len(manager.block_tables.get(name, ())) + 3)
+        elif action < 0.7 and name in manager.block_tables:
+            manager.shrink(name, rng.randrange(2 * len(manager.block_tables[name]) + 1))
+        elif action < 0.8 and manager.block_tables.get(name):
+            manager.hold(manager.block_tables[name][:1])
+            manager.free(name)
+            manager.release([b for b in range(64) if manager._held_refs[b]][:1])
+        else:
+            manager.free(name)
+        assert manager._free_runs.length_by_start == runs_of(manager._free), step
+        assert {end: start for start, end in ((s, s + n - 1) for s, n in runs_of(manager._free).items())} == manager._free_runs.start_by_end
