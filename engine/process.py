@@ -38,7 +38,10 @@ class EngineLoop:
         from engine.engine import Engine  # heavy imports happen in the child only
 
         self.engine = Engine(self.config)
-        self.send(self.engine.ready_message())
+        ready = self.engine.ready_message()
+        logger.info("forward latency profile (ms by tokens): %s",
+                    {n: round(ms, 1) for n, ms in ready.latency_ms_by_num_tokens.items()})
+        self.send(ready)
         while True:
             self._exit_if_orphaned()
             if not self.engine.has_work and not self.inbox.poll(IDLE_POLL_MS):

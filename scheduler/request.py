@@ -30,6 +30,7 @@ class Request:
     spec: SpecStats = field(default_factory=SpecStats)
     num_accepted_by_position: list[int] = field(default_factory=list)  # [max draft position] this request's accepts
     num_offered_by_position: list[int] = field(default_factory=list)  # [max draft position] its verified drafts
+    num_steps_unverified: int = 0  # steps in a row that offered drafts and verified none
     arrival_time: float = field(default_factory=time.monotonic)  # seconds, monotonic clock
 
     def __post_init__(self) -> None:

@@ -36,6 +36,7 @@ from scheduler.request import Request, RequestStatus
 
 
 OVERHEAD_SMOOTHING = 0.1  # weight of the latest step in the running mean of the measured step overhead
+PROBE_INTERVAL_STEPS = 16  # steps in a row a request's drafts may go unverified before it verifies one anyway
 
 
 class QueueFullError(RuntimeError):
@@ -60,6 +61,10 @@ class ScheduledRequest:
     reaches_end: bool = True  # False for a prefill chunk that stops short of the request's last token
 
     @property
+    def is_prefill(self) -> bool:
+        return not self.reaches_end or len(self.input_token_ids) > self.num_draft_tokens + 1
+
+    @property
     def num_logits(self) -> int:
         """Positions whose next-token distribution is needed: the last real token and each draft."""
         return self.num_draft_tokens + 1 if self.reaches_end else 0
@@ -81,6 +86,10 @@ class SchedulerOutput:
     @property
     def num_scheduled_tokens(self) -> int:
         return sum(len(item.input_token_ids) for item in self.scheduled)
+
+    @property
+    def has_prefill(self) -> bool:
+        return any(item.is_prefill for item in self.scheduled)
 
 
 class Scheduler:
@@ -143,7 +152,9 @@ class Scheduler:
         return max(self.latency(num_tokens) + self.step_overhead_seconds, 1e-6)
 
     def observe_step_seconds(self, out: SchedulerOutput, seconds: float) -> None:
-        if self.latency and out.scheduled:
+        """Learn the overhead from steps that only decode and verify: a prefill chunk attends over a context
+        unlike the profile's, and its error would skew the cost of the drafts the planner weighs."""
+        if self.latency and out.scheduled and not out.has_prefill:
             error = seconds - self._step_seconds(out.num_scheduled_tokens)
             self.step_overhead_seconds += OVERHEAD_SMOOTHING * error
 
@@ -203,6 +214,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens - out.num_scheduled_tokens
         if self.latency and self.config.use_goodput_planner:
             chosen = plan_verification(acceptance, out.num_scheduled_tokens, len(live), self._step_seconds, budget)
+            chosen = _probe_long_unverified(live, limits, chosen, budget)
         else:
             chosen = _first_come(limits, budget)
         for item, rates, num_drafts in zip(live, acceptance, chosen):
@@ -349,6 +361,21 @@ class Scheduler:
         if self.turn_cache and req.request_id in self.blocks.block_tables:
             self.turn_cache.keep(req, self.blocks.block_tables[req.request_id])
         self.blocks.free(req.request_id)
+
+
+def _probe_long_unverified(live: list[ScheduledRequest], limits: list[int], chosen: list[int], budget: int) -> list[int]:
+    """Acceptance estimates learn only from verified drafts, so a drafter whose first drafts failed could go
+    unverified for good; a request whose drafts went unverified PROBE_INTERVAL_STEPS steps in a row verifies one."""
+    probed, room = list(chosen), budget - sum(chosen)
+    for i, (item, limit) in enumerate(zip(live, limits)):
+        req = item.req
+        if chosen[i] > 0:
+            req.num_steps_unverified = 0
+        elif limit > 0:
+            req.num_steps_unverified += 1
+            if req.num_steps_unverified >= PROBE_INTERVAL_STEPS and room > 0:
+                probed[i], room, req.num_steps_unverified = 1, room - 1, 0
+    return probed
 
 
 def _first_come(limits: list[int], budget: int) -> list[int]:

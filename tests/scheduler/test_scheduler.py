@@ -6,7 +6,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.latency import LatencyModel
 from scheduler.request import Request
-from scheduler.scheduler import QueueFullError, Scheduler
+from scheduler.scheduler import PROBE_INTERVAL_STEPS, QueueFullError, Scheduler
 
 EOS = 2
 BLOCK_SIZE = 4
@@ -128,3 +128,39 @@ def test_planner_drops_drafts_that_will_fail():
     latency = LatencyModel({1: 1.0, 2: 1.5, 4: 2.5})
     scheduler.latency = latency
     assert scheduler.schedule().scheduled[0].num_draft_tokens == 0
+
+
+def test_planner_probes_a_drafter_it_stopped_verifying_and_resumes_when_drafts_turn_good():
+    scheduler = make_scheduler(planner=True, max_model_len=1024, num_blocks=256)
+    scheduler.latency = LatencyModel({1: 1.0, 2: 1.3, 4: 1.9})  # a draft is worth verifying above 30% acceptance
+    req = add(scheduler, max_tokens=1000, ignore_eos=True)
+    scheduler.update(scheduler.schedule(), [[8]])
+    for _ in range(20):  # drafts that always fail: the planner soon stops verifying them
+        scheduler.set_drafts([req], [Draft([1, 1, 1], "copyspec")])
+        out = scheduler.schedule()
+        scheduler.update(out, [[3]])
+    verified = []
+    for _ in range(4 * PROBE_INTERVAL_STEPS):  # now every draft is right
+        scheduler.set_drafts([req], [Draft([9, 10, 11], "copyspec")])
+        out = scheduler.schedule()
+        num_drafts = out.scheduled[0].num_draft_tokens
+        verified.append(num_drafts)
+        scheduler.update(out, [[9, 10, 11, 12][:num_drafts + 1]])
+    assert verified[:3] == [0, 0, 0], "the failed drafts had shut verification off"
+    assert max(verified[:PROBE_INTERVAL_STEPS]) > 0, "a probe verifies a draft within the probe interval"
+    assert all(n > 0 for n in verified[-PROBE_INTERVAL_STEPS:]), "the planner itself verifies again once the probes succeed"
+
+
+def test_prefill_steps_do_not_teach_the_step_overhead():
+    scheduler = make_scheduler(planner=True)
+    scheduler.latency = LatencyModel({1: 1.0, 64: 10.0})
+    add(scheduler, prompt=list(range(3, 40)), max_tokens=10)
+    prefill = scheduler.schedule()
+    assert prefill.has_prefill
+    scheduler.observe_step_seconds(prefill, 0.5)  # a short-context prefill runs far faster than the profile's point
+    assert scheduler.step_overhead_seconds == 0.0
+    scheduler.update(prefill, [[8]])
+    decode = scheduler.schedule()
+    assert not decode.has_prefill
+    scheduler.observe_step_seconds(decode, 2.0)
+    assert scheduler.step_overhead_seconds == pytest.approx(0.1 * 1.0)
