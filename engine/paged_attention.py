@@ -143,7 +143,7 @@ def _attend_heads_as_rows(
     num_reqs, heads, query_len, head_dim = q.shape
     rows = q.reshape(num_reqs, k.shape[1], heads // k.shape[1] * query_len, head_dim)
     o = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scaling)
-    return o.view(num_reqs, heads, query_len, head_dim)
+    return o.reshape(num_reqs, heads, query_len, head_dim)  # CUDA kernels may return other strides
 
 
 def _tile_mask(mask: torch.Tensor, heads_per_kv_head: int) -> torch.Tensor:

@@ -100,3 +100,33 @@ def test_abort_frees_the_request(engines):
     engine.sessions.reclaim(blocks.num_blocks)  # what the aborted turn left for its session's next turn
     assert blocks.num_free_blocks == blocks.num_blocks
     assert engine.abort("gone") is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="exercises the CUDA path; needs a CUDA device")
+@pytest.mark.parametrize("backend, dtype", [("sdpa", "float32"), ("flash", "bfloat16")])
+def test_greedy_speculation_on_cuda_equals_plain_decoding(tiny_model_dir, backend, dtype):
+    if backend == "flash":
+        pytest.importorskip("flash_attn", reason="the flash backend needs the flash-attn package")
+    from engine.config import CacheConfig
+    from scheduler.config import SchedulerConfig
+
+    def cuda_engine(drafter):
+        return Engine(EngineConfig(
+            model=ModelConfig(model=tiny_model_dir, device="cuda", dtype=dtype),
+            cache=CacheConfig(kv_cache_memory_gib=0.25, attention_backend=backend),
+            scheduler=SchedulerConfig(max_num_seqs=8, use_goodput_planner=False),  # verify every draft
+            spec=SpecConfig(drafter=drafter, copy_gamma=2),
+        ))
+
+    batch = prompts(8, seed=5)
+    params = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)] * len(batch)
+    plain, speculative = cuda_engine("none"), cuda_engine("copyspec")
+    reference = run_to_completion(plain, batch, params)
+    outputs = run_to_completion(speculative, batch, params)
+    assert sum(o.spec.num_draft_tokens for o in outputs.values()) > 0, "the test must exercise speculation"
+    for i, prompt in enumerate(batch):
+        ref, out = reference[f"req-{i}"].new_token_ids, outputs[f"req-{i}"].new_token_ids
+        assert divergence_verdict(plain.runner.model, prompt, ref, out) != "mismatch", i
+    for engine in (plain, speculative):
+        assert engine.scheduler.blocks.usage == 0, "no request holds blocks once all finished (sessions may keep theirs)"
