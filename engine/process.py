@@ -9,7 +9,7 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.wire import AbortRequest, EngineDead, EngineOutputs, EngineRequest, RequestOutput, StepStats, ToEngine
+from engine.wire import AbortRequest, EngineDead, EngineOutputs, RequestOutput, StepStats, ToEngine
 from scheduler.scheduler import QueueFullError
 
 logger = logging.getLogger("specserve.engine")

@@ -5,7 +5,6 @@ from bench.data import load_questions
 from bench.exactness import divergence_verdict
 from bench.mt import render_prompt
 from bench.sessions import mt_redundant_conversations, self_correction_conversations
-from drafters.config import SpecConfig
 from engine.config import EngineConfig, SessionConfig
 from engine.engine import Engine
 from engine.wire import SamplingParams
