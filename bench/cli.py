@@ -5,7 +5,7 @@ import argparse
 import gc
 from pathlib import Path
 
-from bench.data import load_questions
+from bench.data import MissingDataError, data_path, load_questions, missing_data_message
 
 MT_BENCHMARKS = ("mt-redundant", "mt-bench")
 ALL_DRAFTERS = ("none", "copyspec", "hf-greedy", "hf-pld")
@@ -23,7 +23,7 @@ def add_bench_parser(commands, add_engine_flags) -> None:
     bench.add_argument("--limit", type=int, default=None, help="first N questions only")
     bench.add_argument("--max-new-tokens", type=int, default=256)
     bench.add_argument("--out", type=Path, default=None, help="output folder (default bench/results/NAME)")
-    bench.add_argument("--data-dir", type=Path, default=None, help="folder with the benchmark .jsonl files")
+    bench.add_argument("--data-dir", type=Path, default=None, help="folder with the benchmark data files (default: ../shared/data beside the checkout)")
     bench.add_argument("--resume", action="store_true", help="keep rows already in OUT/results.json")
     bench.add_argument("--peer-turns", type=parse_turns, default=(1, 2), help="turns the hf-* peers answer, e.g. 2")
     bench.add_argument("--concurrency", type=parse_ints, default=(1, 4, 16, 32, 64), help="concurrency: client counts")
@@ -81,9 +81,31 @@ def parse_drafters(text: str) -> list[str]:
     return ["none"] + [n for n in names if n != "none"]
 
 
+def data_sets_needed(args: argparse.Namespace) -> list[str]:
+    """The data sets benchmark ARGS.name reads."""
+    if args.name == "concurrency":
+        return ["mt-redundant"]
+    if args.name == "sessions":
+        return [{"mt-redundant": "mt-redundant", "self-correction": "spec-bench"}[b] for b in args.benchmarks]
+    return [args.name]
+
+
+def check_data(args: argparse.Namespace) -> None:
+    """Stop before any model loads when a data file is missing, with a message that says what to fetch."""
+    missing = []
+    for name in data_sets_needed(args):
+        try:
+            data_path(name, args.data_dir)
+        except MissingDataError:
+            missing.append(name)
+    if missing:
+        raise SystemExit(missing_data_message(missing, args.data_dir))
+
+
 def run_bench(args: argparse.Namespace, engine_config_from_args) -> None:
     from server.tokenizer import load_tokenizer
 
+    check_data(args)
     out_dir = args.out or Path(__file__).resolve().parent / "results" / args.name
     tokenizer = load_tokenizer(engine_config_from_args(args, "none").model)
     if args.name == "concurrency":

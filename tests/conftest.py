@@ -1,11 +1,31 @@
-"""Shared fixtures: a tiny randomly initialised Llama-style model built from a config."""
+"""Shared fixtures: a tiny randomly initialised Llama-style model built from a config; the tests' own data sets;
+and a guard that fails any test reaching for the benchmark data beside the checkout, which a user's clone lacks."""
 from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 TINY_VOCAB = 48
+REPO = Path(__file__).resolve().parent.parent
+TEST_DATA_DIR = REPO / "tests" / "data"  # conversations and prompts written for the tests, in the real sets' formats
+OUTSIDE_DATA = (str(REPO.parent / "shared"), str(REPO / "shared"))  # where the benchmark data lives on the project's machines
+
+
+def _refuse_outside_data(event: str, args: tuple) -> None:
+    """An audit hook: opening or listing anything under shared/ fails the test that does it."""
+    if event not in ("open", "os.listdir", "os.scandir") or not args or not isinstance(args[0], (str, bytes, os.PathLike)):
+        return
+    path = os.path.abspath(os.fsdecode(args[0]))
+    if any(path == root or path.startswith(root + os.sep) for root in OUTSIDE_DATA):
+        raise PermissionError(f"tests must not read {path}: a fresh clone has nothing beside it; use tests/data")
+
+
+sys.addaudithook(_refuse_outside_data)
 
 
 @pytest.fixture(scope="session")

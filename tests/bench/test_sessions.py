@@ -24,6 +24,7 @@ from bench.sessions import (
 from bench.sessions_report import ORDER, ORDER_NOTE, speed_ratios, summary_rows, ttft_ratios, write_sessions_results
 from bench.sse_client import StreamedReply
 from server.cli import build_parser
+from tests.conftest import TEST_DATA_DIR
 
 
 def record(mode: str, drafter: str, turn: int, question_id: int, text: str, ttft_s: float, e2e_s: float = 1.0,
@@ -48,15 +49,15 @@ def hand_made_records() -> list[dict]:
 
 
 def test_mt_redundant_conversations_are_the_first_questions_with_both_turns():
-    conversations = build_conversations(["mt-redundant"], None, 3, None)
-    questions = load_questions("mt-redundant")[:3]
+    conversations = build_conversations(["mt-redundant"], TEST_DATA_DIR, 3, None)
+    questions = load_questions("mt-redundant", TEST_DATA_DIR)[:3]
     assert [c.question_id for c in conversations] == [q["question_id"] for q in questions]
     assert all(c.benchmark == "mt-redundant" and c.user_turns == q["turns"] for c, q in zip(conversations, questions))
     assert conversations[0].session_id == f"mt-redundant-{questions[0]['question_id']}"
 
 
 def test_self_correction_conversations_ask_three_turns_about_math_reasoning_items():
-    spec_bench = load_questions("spec-bench")
+    spec_bench = load_questions("spec-bench", TEST_DATA_DIR)
     items = [q for q in spec_bench if q["category"] == "math_reasoning"]
     conversations = self_correction_conversations(spec_bench, 2)
     assert [c.question_id for c in conversations] == [q["question_id"] for q in items[:2]]
@@ -64,11 +65,11 @@ def test_self_correction_conversations_ask_three_turns_about_math_reasoning_item
     assert len(first.user_turns) == 3 and first.benchmark == "self-correction"
     assert first.user_turns[0].startswith("Write a Python program") and first.user_turns[0].endswith(items[0]["turns"][0])
     assert first.user_turns[1:] == list(SELF_CORRECTION_PROMPTS[1:])
-    assert len(self_correction_conversations(spec_bench, None)) == 80
+    assert len(self_correction_conversations(spec_bench, None)) == len(items) == 3
 
 
 def test_both_benchmarks_with_their_own_limits():
-    conversations = build_conversations(list(SESSION_BENCHMARKS), None, 2, 3)
+    conversations = build_conversations(list(SESSION_BENCHMARKS), TEST_DATA_DIR, 2, 3)
     assert [c.benchmark for c in conversations] == ["mt-redundant"] * 2 + ["self-correction"] * 3
 
 
@@ -242,7 +243,8 @@ def test_smoke_sessions_off_and_implicit_against_real_servers(tmp_path, capsys):
     from server.cli import main
 
     main(["bench", "sessions", "--session-modes", "implicit", "--drafters", "none", "--limit", "1",
-          "--self-correction-limit", "1", "--max-new-tokens", "8", "--kv-cache-memory", "0.25", "--out", str(tmp_path)])
+          "--self-correction-limit", "1", "--max-new-tokens", "8", "--kv-cache-memory", "0.25", "--out", str(tmp_path),
+          "--data-dir", str(TEST_DATA_DIR)])
     results = json.loads((tmp_path / "results.json").read_text())
     summary = results["summary"]
     assert [(r["benchmark"], r["turn"], r["session_mode"]) for r in summary] == [

@@ -1,4 +1,5 @@
-"""Greedy CopySpec output equals plain decoding on MT-Redundant prompts with the embedded model."""
+"""Greedy CopySpec output equals plain decoding with the embedded model, on conversations in MT-Redundant's shape
+(tests/data: a long first answer that the second turn asks to rewrite)."""
 import pytest
 
 from bench.data import load_questions
@@ -10,9 +11,10 @@ from engine.engine import Engine
 from engine.wire import SamplingParams
 from scheduler.config import SchedulerConfig
 from server.tokenizer import load_tokenizer
+from tests.conftest import TEST_DATA_DIR
 from tests.engine.helpers import run_to_completion
 
-QUESTION_IDS = (81, 105, 121, 135)  # writing, reasoning, coding, extraction
+CATEGORIES = ("writing", "reasoning", "coding", "extraction")
 MAX_NEW_TOKENS = 96
 
 
@@ -21,7 +23,8 @@ def test_copyspec_matches_plain_decoding_on_mt_redundant():
     tokenizer = load_tokenizer(EngineConfig().model)
     plain, copy = Engine(EngineConfig(spec=SpecConfig(drafter="none"))), Engine(EngineConfig())
     params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)]
-    questions = [q for q in load_questions("mt-redundant") if q["question_id"] in QUESTION_IDS]
+    questions = [q for q in load_questions("mt-redundant", TEST_DATA_DIR) if q["category"] in CATEGORIES]
+    assert len(questions) == len(CATEGORIES)
     num_accepted = 0
     for question in questions:
         turn1 = run_to_completion(plain, [turn_prompts(tokenizer, question, None)], params)["req-0"].new_token_ids
@@ -44,7 +47,8 @@ def test_requests_served_together_equal_each_served_alone():
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),  # prompts are prefilled in chunks
     )
     together_engine = Engine(tight)
-    questions = load_questions("mt-redundant")[:8]
+    questions = load_questions("mt-redundant", TEST_DATA_DIR)[:8]
+    assert len(questions) == 8
     prompts = [turn_prompts(tokenizer, question, None) for question in questions]
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     stats = []

@@ -1,4 +1,5 @@
-"""Session caches change no output of the embedded model on the session benchmark's own conversations."""
+"""Session caches change no output of the embedded model on conversations built by the session benchmark's own
+code from the tests' data sets (MT-Redundant-shaped rewrites and three-turn self-correction)."""
 import pytest
 
 from bench.data import load_questions
@@ -9,9 +10,10 @@ from engine.config import EngineConfig, SessionConfig
 from engine.engine import Engine
 from engine.wire import SamplingParams
 from server.tokenizer import load_tokenizer
+from tests.conftest import TEST_DATA_DIR
 from tests.engine.helpers import run_to_completion
 
-MT_REDUNDANT_IDS = (81, 121, 135)  # writing, coding, extraction
+MT_REDUNDANT_CATEGORIES = ("writing", "coding", "extraction")
 NUM_SELF_CORRECTION = 1
 MAX_NEW_TOKENS = 64
 
@@ -21,8 +23,10 @@ def test_greedy_output_with_sessions_equals_output_without_on_benchmark_conversa
     tokenizer = load_tokenizer(EngineConfig().model)
     without = Engine(EngineConfig(sessions=SessionConfig(mode="off")))
     with_sessions = Engine(EngineConfig(sessions=SessionConfig(mode="implicit")))
-    conversations = [c for c in mt_redundant_conversations(load_questions("mt-redundant")) if c.question_id in MT_REDUNDANT_IDS]
-    conversations += self_correction_conversations(load_questions("spec-bench"), NUM_SELF_CORRECTION)
+    questions = [q for q in load_questions("mt-redundant", TEST_DATA_DIR) if q["category"] in MT_REDUNDANT_CATEGORIES]
+    conversations = mt_redundant_conversations(questions)
+    conversations += self_correction_conversations(load_questions("spec-bench", TEST_DATA_DIR), NUM_SELF_CORRECTION)
+    assert len(conversations) == len(MT_REDUNDANT_CATEGORIES) + NUM_SELF_CORRECTION
     params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)]
     num_cached = 0
     for conversation in conversations:
