@@ -7,8 +7,8 @@ from pathlib import Path
 
 from bench.data import MissingDataError, data_path, load_questions, missing_data_message
 
-MT_BENCHMARKS = ("mt-redundant", "mt-bench")
-ALL_DRAFTERS = ("none", "copyspec", "hf-greedy", "hf-pld")
+MT_BENCHMARKS = ("mt-redundant", "mt-bench", "spec-bench", "humaneval", "gsm8k")  # conversations, turn by turn
+ALL_DRAFTERS = ("none", "copyspec", "ngram", "hf-greedy", "hf-pld")
 PEERS = ("transformers-serve",)
 SESSION_MODES = ("off", "explicit", "implicit")
 SESSION_BENCHMARKS = ("mt-redundant", "self-correction")
@@ -17,7 +17,7 @@ SESSION_DRAFTERS = ("none", "copyspec")  # the drafters `bench sessions` applies
 
 def add_bench_parser(commands, add_engine_flags) -> None:
     bench = commands.add_parser("bench", help="measure speed side by side (results under bench/results/NAME)")
-    bench.add_argument("name", choices=(*MT_BENCHMARKS, "concurrency", "sessions"))
+    bench.add_argument("name", choices=(*MT_BENCHMARKS, "ngram", "concurrency", "sessions"))
     add_engine_flags(bench)
     bench.add_argument("--drafters", default=",".join(ALL_DRAFTERS), help=f"comma list from {ALL_DRAFTERS}; 'none' is always run")
     bench.add_argument("--limit", type=int, default=None, help="first N questions only")
@@ -26,6 +26,9 @@ def add_bench_parser(commands, add_engine_flags) -> None:
     bench.add_argument("--data-dir", type=Path, default=None, help="folder with the benchmark data files (default: ../shared/data beside the checkout)")
     bench.add_argument("--resume", action="store_true", help="keep rows already in OUT/results.json")
     bench.add_argument("--peer-turns", type=parse_turns, default=(1, 2), help="turns the hf-* peers answer, e.g. 2")
+    bench.add_argument("--max-turns", type=int, default=2, help="conversations: answer at most this many turns")
+    bench.add_argument("--grid-limit", type=int, default=5, help="ngram: questions per set of the k x w grid (0: no grid)")
+    bench.add_argument("--grid-max-new-tokens", type=int, default=96, help="ngram: new tokens per grid generation")
     bench.add_argument("--concurrency", type=parse_ints, default=(1, 4, 16, 32, 64), help="concurrency: client counts")
     bench.add_argument("--requests-per-client", type=int, default=2, help="concurrency: turn-2 requests per client and level")
     bench.add_argument("--peers", type=parse_peers, default=PEERS, help=f"concurrency: peer servers from {PEERS}, or ''")
@@ -87,6 +90,10 @@ def data_sets_needed(args: argparse.Namespace) -> list[str]:
         return ["mt-redundant"]
     if args.name == "sessions":
         return [{"mt-redundant": "mt-redundant", "self-correction": "spec-bench"}[b] for b in args.benchmarks]
+    if args.name == "ngram":
+        from bench.ngram import DATASETS
+
+        return list(DATASETS)
     return [args.name]
 
 
@@ -110,6 +117,10 @@ def run_bench(args: argparse.Namespace, engine_config_from_args) -> None:
     tokenizer = load_tokenizer(engine_config_from_args(args, "none").model)
     if args.name == "concurrency":
         run_concurrency(args, engine_config_from_args, tokenizer, out_dir)
+    elif args.name == "ngram":
+        from bench.ngram import run_ngram_benchmark
+
+        run_ngram_benchmark(args, engine_config_from_args, tokenizer, out_dir)
     elif args.name == "sessions":
         run_sessions(args, out_dir)
     else:
@@ -157,7 +168,8 @@ def specserve_engine_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
              "--device", args.device, "--dtype", args.dtype]
     for flag in ("model", "num_threads", "max_model_len", "max_num_batched_tokens", "kv_cache_memory", "block_size",
-                 "attention_backend", "copy_gamma", "copy_max_tokens", "session_ttl", "max_sessions"):
+                 "attention_backend", "copy_gamma", "copy_max_tokens", "ngram_k", "ngram_w", "cache_dir", "session_ttl",
+                 "max_sessions"):
         if getattr(args, flag, None) is not None:
             flags += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if getattr(args, "no_goodput_planner", False):

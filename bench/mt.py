@@ -1,8 +1,9 @@
-"""Two-turn MT-Bench / MT-Redundant benchmark: tokens/s per drafter, side by side in one run.
+"""Conversation benchmarks (MT-Bench, MT-Redundant, Spec-Bench, HumanEval, GSM8K): tokens/s per drafter, side by
+side in one run.
 
-Turn 1 is answered by the baseline; its answer goes into the history of turn 2.
-Every drafter then answers both turns; each row records its speed and whether
-its tokens equal the baseline's.
+Each turn is answered by the baseline; its answer goes into the history of the next
+turn. Every drafter then answers every turn (up to --max-turns); each row records
+its speed and whether its tokens equal the baseline's.
 """
 from __future__ import annotations
 
@@ -24,10 +25,13 @@ def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def turn_prompts(tokenizer, question: dict, turn1_answer: str | None) -> list[int]:
-    messages = [{"role": "user", "content": question["turns"][0]}]
-    if turn1_answer is not None:
-        messages += [{"role": "assistant", "content": turn1_answer}, {"role": "user", "content": question["turns"][1]}]
+def turn_prompts(tokenizer, question: dict, answers: list[str] | str | None) -> list[int]:
+    """The prompt of the turn after ANSWERS (the baseline's answers to the turns before; None or [] for turn 1)."""
+    answers = [answers] if isinstance(answers, str) else list(answers or [])
+    messages = []
+    for user_text, answer in zip(question["turns"], answers):
+        messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": answer}]
+    messages.append({"role": "user", "content": question["turns"][len(answers)]})
     return render_prompt(tokenizer, messages)
 
 
@@ -39,17 +43,16 @@ def warm_up(runners: dict, tokenizer) -> None:
 
 
 def run_question(question: dict, runners: dict, tokenizer, reference_model, args) -> list[dict]:
-    rows = []
-    turn1_answer = None
-    for turn in (1, 2):
-        prompt = turn_prompts(tokenizer, question, turn1_answer)
+    rows, answers = [], []
+    for turn in range(1, min(len(question["turns"]), args.max_turns) + 1):
+        prompt = turn_prompts(tokenizer, question, answers)
         names = [n for n in runners if not n.startswith("hf-") or turn in args.peer_turns]
         generations = {name: runners[name].generate(prompt, args.max_new_tokens) for name in names}
         baseline = generations["none"].token_ids
         for name, gen in generations.items():
             verdict = divergence_verdict(reference_model, prompt, baseline, gen.token_ids)
             rows.append(_row(question, turn, name, gen, verdict))
-        turn1_answer = tokenizer.decode(baseline, skip_special_tokens=True)
+        answers.append(tokenizer.decode(baseline, skip_special_tokens=True))
     return rows
 
 
@@ -58,7 +61,7 @@ def _row(question: dict, turn: int, drafter: str, gen, verdict: str) -> dict:
     return {
         "question_id": question["question_id"], "category": question["category"], "turn": turn,
         "drafter": drafter, "new_tokens": new_tokens, "seconds": round(gen.seconds, 4),
-        "tokens_per_s": round(new_tokens / gen.seconds, 3), "num_drafts": gen.num_drafts,
+        "tokens_per_s": round(new_tokens / gen.seconds, 3), "num_forwards": gen.num_forwards, "num_drafts": gen.num_drafts,
         "drafted_tokens": gen.drafted_tokens, "accepted_tokens": gen.accepted_tokens,
         "identical_to_baseline": verdict == "identical", "exactness": verdict,
     }

@@ -17,6 +17,7 @@ HF_PLD_NUM_TOKENS = 10  # prompt_lookup_num_tokens of the hf-pld peer
 class Generation:
     token_ids: list[int]
     seconds: float  # wall time from submission to the last token, prefill included
+    num_forwards: int = 0  # target forward calls that carried the request (prefill included)
     num_drafts: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -34,13 +35,14 @@ class EngineRunner:
         params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
         start = time.perf_counter()
         self.engine.add_request(EngineRequest(f"bench-{self._count}", prompt_ids, params))
-        token_ids, spec = [], None
+        token_ids, spec, num_forwards = [], None, 0
         while self.engine.has_work:
+            num_forwards += 1
             for output in self.engine.step().outputs:
                 token_ids += output.new_token_ids
                 spec = output.spec or spec
         seconds = time.perf_counter() - start
-        return Generation(token_ids, seconds, spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+        return Generation(token_ids, seconds, num_forwards, spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
 
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy answers to all prompts, served together by the continuous-batching engine (untimed)."""
@@ -90,6 +92,7 @@ class HFRunner:
     def _with_draft_counts(self, gen: Generation) -> Generation:
         """Each decode forward yields its accepted candidates plus one token."""
         decode_lengths = self._forward_lengths[1:]
+        gen.num_forwards = len(self._forward_lengths)
         gen.num_drafts = sum(1 for n in decode_lengths if n > 1)
         gen.drafted_tokens = sum(n - 1 for n in decode_lengths)
         gen.accepted_tokens = max(len(gen.token_ids) - len(self._forward_lengths), 0)

@@ -45,7 +45,7 @@ def free_port() -> int:
 
 
 def specserve_command(port: int, *extra_args: str) -> list[str]:
-    return [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *extra_args]
+    return [sys.executable, "-m", "specserve", "serve", "--host", "127.0.0.1", "--port", str(port), *extra_args]
 
 
 def start_process(

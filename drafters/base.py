@@ -1,8 +1,14 @@
-"""The Drafter contract shared by every drafter."""
+"""The Drafter contract shared by every drafter, and what a drafter is given and gives back."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+
+from drafters.tree import chain_parents
+
+if TYPE_CHECKING:
+    import torch
 
 
 class DraftableRequest(Protocol):
@@ -14,13 +20,54 @@ class DraftableRequest(Protocol):
 
 @dataclass(frozen=True)
 class Draft:
-    token_ids: list[int]  # [num_draft_tokens] proposed continuation; empty = nothing worth verifying
+    """A tree of drafted tokens (drafters/tree.py), parents first; a chain is the special case."""
+
+    token_ids: list[int]  # [n] drafted tokens; empty = nothing worth verifying
     source: str  # the drafter that proposed it
-    probs: list[float] | None = None  # [num_draft_tokens] draft-model probabilities; None = point mass
-    tree_parents: list[int] | None = field(default=None)  # several candidates: parent index per token
+    parents: list[int] = None  # [n] each token's parent index, -1 = the request's last token; None given = a chain
+    acceptance: list[float] | None = None  # [n] the drafter's own estimate of each token's acceptance given its parent's
+
+    def __post_init__(self) -> None:
+        if self.parents is None:
+            object.__setattr__(self, "parents", chain_parents(len(self.token_ids)))
+        if len(self.parents) != len(self.token_ids) or any(not -1 <= p < i for i, p in enumerate(self.parents)):
+            raise ValueError("a draft lists each token after its parent, one parent index per token")
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """What a drafter needs from the target's forward beyond logits."""
+
+    hidden_layer: int | None = None  # the residual stream after this many decoder layers (transformers' hidden_states index)
+    attention_heads: tuple[tuple[int, int], ...] = ()  # (layer, head) pairs whose attention rows it reads
+
+    @property
+    def wants_any(self) -> bool:
+        return self.hidden_layer is not None or bool(self.attention_heads)
+
+
+@dataclass
+class Computed:
+    """Tokens of one request whose KV the target just committed, with the captures its drafter asked for."""
+
+    start: int  # position of token_ids[0]
+    token_ids: list[int]  # [n] in position order: prefill chunks, or the last token and the accepted draft path
+    hidden_states: torch.Tensor | None = None  # [n, hidden_size] at CaptureSpec.hidden_layer
+    attention: torch.Tensor | None = None  # [num capture heads, start + n] the last token's attention over every position
+
+
+@dataclass
+class DrafterContext:
+    """What a drafter's builder may use: the served model's identity and shape, its own forward, a cache folder."""
+
+    model_fingerprint: str  # names the served weights, for tables derived from them
+    vocab_size: int
+    num_layers: int
+    cache_dir: Path  # model-derived tables live under it
+    next_token_logits: Callable[[list[int]], torch.Tensor] = field(repr=False)  # [B] bare tokens -> [B, vocab] logits
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -33,20 +80,25 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class Drafter(Protocol):
-    """Per request: `begin`, then `extend` and `propose` each step, then `finish`.
+    """Per request: `begin`, then `observe`, `extend` and `propose` each step, `preempt` when it is sent back
+    to the queue, and `finish`.
 
-    A session cache (engine/sessions.py) carries a drafter's state from one turn of a
-    conversation to the next: what `finish` returns for a turn is what `begin` gets
-    for the conversation's next turn. A state is the drafter's own, opaque to everyone
-    else; the next turn's prompt may extend the history it was built on or part from
-    it (an edited turn), and `begin` must be right either way. A drafter keeps no
-    reference to a state after `finish` returns it.
+    A session cache carries a drafter's state from one turn of a conversation to the
+    next: what `finish` returns for a turn is what `begin` gets for the conversation's
+    next turn. A state is the drafter's own, opaque to everyone else; the next turn's
+    prompt may extend the history it was built on or part from it (an edited turn),
+    and `begin` must be right either way. A drafter keeps no reference to a state
+    after `finish` returns it. Drafters never touch the KV cache or the scheduler.
     """
 
     name: str
+    captures: CaptureSpec  # what it needs from the target's forward; CaptureSpec() = logits only
 
     def begin(self, req: DraftableRequest, state: object | None = None) -> None:
         """Index a new request: its prompt, on top of the state its session's last turn left (None: afresh)."""
+
+    def observe(self, req: DraftableRequest, computed: Computed) -> None:
+        """Every token the target computed for the request (prefill chunks too), with the captures asked for."""
 
     def extend(self, req: DraftableRequest, new_token_ids: Sequence[int]) -> None:
         """Take the tokens just appended to `req.all_token_ids` into the drafter's state."""
@@ -54,5 +106,20 @@ class Drafter(Protocol):
     def propose(self, reqs: Sequence[DraftableRequest]) -> list[Draft]:
         """One draft per request, in order."""
 
+    def preempt(self, req: DraftableRequest) -> None:
+        """The request's KV was freed; it will be computed again from its tokens (and observed again)."""
+
     def finish(self, req: DraftableRequest) -> object | None:
         """Forget a request that finished or was aborted; returns its state for the session's next turn."""
+
+
+class DrafterBase:
+    """Defaults for the parts of the contract most drafters do not need."""
+
+    captures = CaptureSpec()
+
+    def observe(self, req: DraftableRequest, computed: Computed) -> None:
+        pass
+
+    def preempt(self, req: DraftableRequest) -> None:
+        pass

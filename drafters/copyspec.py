@@ -6,13 +6,14 @@ lookup of the last γ tokens (O(γ)), independent of the context length.
 
 With session caches the index outlives a turn (§3.3: the whole chat history): the
 next turn of the conversation resumes it with the tokens as generated, and adds only
-its new tokens.
+its new tokens (drafters/corpus.py, which also keeps an edited turn's old version).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from drafters.base import Draft, DraftableRequest, common_prefix_len
+from drafters.base import Draft
+from drafters.corpus import CorpusDrafter, SessionCorpus
 
 
 class CopyIndex:
@@ -42,66 +43,13 @@ class CopyIndex:
         return list(token_ids[copy_from:min(copy_from + max_tokens, length)])
 
 
-class CopyState:
-    """A request's copy source and its index: the request's own tokens, after what an edit replaced.
-
-    corpus = earlier version + the request's tokens. A next turn whose prompt extends
-    the last request's tokens just extends the corpus (the index grows by the new
-    tokens only). A turn that parts from them (an earlier turn was edited) makes the
-    last request's tokens from the point of divergence on (the old version of that
-    turn, the old answer after it) the earlier version, and its own prompt the rest:
-    the old answer stays there to copy from, and the corpus never passes twice the
-    context.
-    """
-
-    def __init__(self, token_ids: Sequence[int], gamma: int) -> None:
-        self.gamma = gamma
-        self._start((), token_ids)
-
-    def _start(self, earlier: Sequence[int], token_ids: Sequence[int]) -> None:
-        self.num_earlier = len(earlier)
-        self.corpus = [*earlier, *token_ids]  # [corpus length] the earlier version, then the request's tokens
-        self.index = CopyIndex(self.gamma)
-        self.index.extend(self.corpus)
-
-    def follow(self, prompt_ids: Sequence[int]) -> None:
-        """Make the corpus end with a new turn's prompt."""
-        own = self.corpus[self.num_earlier:]
-        num_common = common_prefix_len(own, prompt_ids)
-        if num_common == len(own):
-            self.append(prompt_ids[num_common:])
-        else:
-            self._start(own[num_common:], prompt_ids)
-
-    def append(self, token_ids: Sequence[int]) -> None:
-        self.corpus += token_ids
-        self.index.extend(self.corpus)
-
-
-class CopySpecDrafter:
+class CopySpecDrafter(CorpusDrafter[CopyIndex]):
     name = "copyspec"
 
     def __init__(self, gamma: int = 3, max_tokens: int = 10) -> None:
+        super().__init__(lambda: CopyIndex(gamma))
         self.gamma = gamma
         self.max_tokens = max_tokens
-        self._states: dict[str, CopyState] = {}  # request id -> its copy source
 
-    def begin(self, req: DraftableRequest, state: CopyState | None = None) -> None:
-        if state is not None:
-            state.follow(req.all_token_ids)
-        else:
-            state = CopyState(req.all_token_ids, self.gamma)
-        self._states[req.request_id] = state
-
-    def extend(self, req: DraftableRequest, new_token_ids: Sequence[int]) -> None:
-        self._states[req.request_id].append(new_token_ids)
-
-    def propose(self, reqs: Sequence[DraftableRequest]) -> list[Draft]:
-        return [self._propose_one(req) for req in reqs]
-
-    def _propose_one(self, req: DraftableRequest) -> Draft:
-        state = self._states[req.request_id]
-        return Draft(token_ids=state.index.continuation(state.corpus, self.max_tokens), source=self.name)
-
-    def finish(self, req: DraftableRequest) -> CopyState | None:
-        return self._states.pop(req.request_id, None)
+    def draft(self, corpus: SessionCorpus[CopyIndex]) -> Draft:
+        return Draft(corpus.index.continuation(corpus.corpus, self.max_tokens), self.name)

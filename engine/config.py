@@ -4,12 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from drafters.config import SpecConfig
-from scheduler.config import SchedulerConfig
+from scheduler.config import SESSION_MODES, SchedulerConfig, SessionConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-SESSION_MODES = ("implicit", "explicit", "off")
 
 
 @dataclass(frozen=True)
@@ -21,6 +20,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     num_threads: int | None = None  # CPU threads for torch; None = torch's default
     seed: int = 0  # torch's global seed, for requests sampled without a seed of their own
+    cache_dir: str | None = None  # tables derived from the model (drafters); None = $XDG_CACHE_HOME/specserve
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -44,23 +44,6 @@ class CacheConfig:
             raise ValueError("block_size must be at least 1")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-
-
-@dataclass(frozen=True)
-class SessionConfig:
-    """Multi-turn session caches (engine/sessions.py)."""
-
-    mode: str = "implicit"  # implicit: named sessions and longest cached prefix | explicit: named sessions only | off
-    ttl_s: float = 600.0  # seconds a session stays cached after its last use
-    max_sessions: int = 256  # sessions cached at once; the least recently used goes first
-
-    def __post_init__(self) -> None:
-        if self.mode not in SESSION_MODES:
-            raise ValueError(f"session mode must be one of {SESSION_MODES}, got {self.mode!r}")
-        if self.ttl_s <= 0:
-            raise ValueError("session ttl must be positive")
-        if self.max_sessions < 1:
-            raise ValueError("max_sessions must be at least 1")
 
 
 @dataclass(frozen=True)

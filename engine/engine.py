@@ -6,18 +6,23 @@ import time
 import torch
 
 from drafters.registry import build_drafter
+from engine.batching import forward_batch
 from engine.config import CacheConfig, EngineConfig
+from engine.drafter_context import drafter_context
+from engine.forward import ForwardBatch, ForwardOutput
 from engine.model_loader import LoadedModel, load_model
-from engine.packed_runner import ForwardItem, PackedModelRunner
-from engine.paged_attention import FLASH_BLOCK_SIZE, PagedKVPool, resolve_attention_backend
+from engine.packed_runner import PackedModelRunner
+from engine.paged_attention import FLASH_BLOCK_SIZE, PagedKVPool, kv_shape, resolve_attention_backend
 from engine.profiler import profile_forward_latency
-from engine.sampler import Verifier
-from engine.sessions import SessionStore
-from engine.wire import EngineOutputs, EngineReady, EngineRequest, RequestOutput, StepStats
+from engine.speculation import Speculation
+from engine.verifier import Verifier
+from engine.wire import EngineError, EngineOutputs, EngineReady, EngineRequest, RequestOutput, StepStats
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.latency import LatencyModel
+from scheduler.records import RequestUpdate, ScheduledRequest, SchedulerOutput, StepUpdate, Verification
 from scheduler.request import Request
-from scheduler.scheduler import Scheduler, ScheduledRequest
+from scheduler.scheduler import Scheduler
+from scheduler.sessions import SessionStore
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -34,14 +39,14 @@ class Engine:
         backend = resolve_attention_backend(config.cache.attention_backend, loaded.device)
         pool, blocks = _allocate_kv_pool(loaded, config.cache, backend)
         self.max_model_len = min(loaded.max_model_len, blocks.num_blocks * blocks.block_size)
-        self.runner = PackedModelRunner(loaded.model, loaded.device, pool, backend)
+        self.runner = PackedModelRunner(loaded.model, loaded.device, pool, blocks.block_size, backend)
         self.latency_profile = profile_forward_latency(self.runner, blocks, self.vocab_size, self.max_model_len)  # s by num tokens
-        self.sessions = SessionStore(config.sessions, blocks) if config.sessions.mode != "off" else None
+        sessions = SessionStore(config.sessions, blocks) if config.sessions.mode != "off" else None
         self.scheduler = Scheduler(
             config.scheduler, self.max_model_len, self.eos_token_ids, blocks, LatencyModel(self.latency_profile),
-            turn_cache=self.sessions,
+            sessions=sessions,
         )
-        self.drafter = build_drafter(config.spec)
+        self.speculation = Speculation(build_drafter(config.spec, drafter_context(loaded, config.model)))
         self.verifier = Verifier()
 
     def ready_message(self) -> EngineReady:
@@ -56,15 +61,16 @@ class Engine:
 
     # --- requests in ----------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> RequestOutput | None:
-        """Queue a request; returns an error output instead if it cannot be served."""
+        """Queue a request; returns an error output instead if it cannot be served.
+
+        Raises scheduler.admission.QueueFullError when the queue is full.
+        """
         error = self._validate(request)
         if error:
-            return RequestOutput(request.request_id, [], finish_reason="error", error=error)
+            return RequestOutput(request.request_id, [], finish_reason="error", error=EngineError("invalid_request", error))
         req = Request(request.request_id, list(request.prompt_token_ids), request.sampling, request.session_id)
-        self.scheduler.add_request(req)
-        drafter_state = self.sessions.attach(req) if self.sessions else None
-        if self.drafter:
-            self.drafter.begin(req, drafter_state)
+        session_key = self.scheduler.add_request(req)
+        self.speculation.begin(req, session_key)
         return None
 
     def _validate(self, request: EngineRequest) -> str | None:
@@ -95,10 +101,10 @@ class Engine:
 
     def expire_idle_sessions(self) -> StepStats | None:
         """Between steps, while idle: evict sessions past their TTL; their stats when any went."""
-        if not self.sessions:
+        if not self.scheduler.sessions:
             return None
-        self.sessions.expire()
-        if not self.sessions.stats.evictions:
+        self._expire_sessions()
+        if not self.scheduler.sessions.stats.evictions:
             return None
         stats = StepStats(kv_cache_usage=self.scheduler.blocks.usage)
         self._add_session_stats(stats)
@@ -107,58 +113,75 @@ class Engine:
     # --- the step -------------------------------------------------------------------------
     def step(self) -> EngineOutputs:
         start = time.perf_counter()
-        if self.sessions:
-            self.sessions.expire()
+        self._expire_sessions()
         sched_out = self.scheduler.schedule()
-        items = [_forward_item(item) for item in sched_out.scheduled]
-        logits = self.runner.execute(items, self.scheduler.blocks) if items else []
-        sampled = [
-            self.verifier.verify(item.req.request_id, item.req.sampling, item_logits, item.draft_token_ids)
-            if item.num_logits else []
-            for item, item_logits in zip(sched_out.scheduled, logits)
-        ]
-        outputs, stats = self.scheduler.update(sched_out, sampled)
-        self._after_update(sched_out.scheduled, outputs)
-        self._add_session_stats(stats)
-        stats.step_seconds = time.perf_counter() - start
-        self.scheduler.observe_step_seconds(sched_out, stats.step_seconds)
-        return EngineOutputs(outputs=outputs, stats=stats)
+        batch, model_out = self._execute(sched_out)
+        results = self._verify(sched_out.scheduled, model_out)
+        update = self.scheduler.update(sched_out, results)
+        self.runner.move_kv(update.kv_moves)
+        self._after_update(sched_out, batch, model_out, results, update)
+        update.stats.step_seconds = time.perf_counter() - start
+        self.scheduler.observe_step_seconds(sched_out, update.stats.step_seconds)
+        return EngineOutputs(outputs=[_wire_output(u) for u in update.updates], stats=update.stats)
 
-    def _after_update(self, scheduled: list[ScheduledRequest], outputs: list[RequestOutput]) -> None:
-        by_id = {item.req.request_id: item.req for item in scheduled}
-        for output in outputs:
-            req = by_id[output.request_id]
+    def _execute(self, sched_out: SchedulerOutput) -> tuple[ForwardBatch, ForwardOutput | None]:
+        self.speculation.preempt(sched_out.preempted)
+        batch = forward_batch(sched_out.scheduled, self.runner.block_size, self.speculation.captures)
+        return batch, (self.runner.execute(batch) if batch.items else None)
+
+    def _verify(self, scheduled: list[ScheduledRequest], model_out: ForwardOutput | None) -> list[Verification]:
+        return [
+            self.verifier.verify(
+                item.req.request_id, item.req.sampling, logits, item.draft_token_ids, item.draft_parents,
+            ) if item.num_logits else Verification([])
+            for item, logits in zip(scheduled, model_out.logits if model_out else [])
+        ]
+
+    def _after_update(
+        self, sched_out: SchedulerOutput, batch: ForwardBatch, model_out: ForwardOutput | None,
+        results: list[Verification], update: StepUpdate,
+    ) -> None:
+        self.speculation.observe(sched_out.scheduled, batch, model_out, results)
+        by_id = {item.req.request_id: item.req for item in sched_out.scheduled}
+        for request_update in update.updates:
+            req = by_id[request_update.request_id]
             if req.is_finished:
                 self._release(req)
-            elif self.drafter:
-                self.drafter.extend(req, output.new_token_ids)
-        decoding = [req for req in self.scheduler.running if req.num_uncomputed_tokens == 1]
-        if self.drafter and decoding:
-            self.scheduler.set_drafts(decoding, self.drafter.propose(decoding))
+            else:
+                self.speculation.extend(req, request_update.new_token_ids)
+        decoding = [req for req in self.scheduler.running if req.is_decoding]
+        self.scheduler.set_drafts(decoding, self.speculation.propose(decoding))
+        self._add_session_stats(update.stats)
 
     def _release(self, req: Request) -> None:
         self.verifier.finish(req.request_id)
-        drafter_state = self.drafter.finish(req) if self.drafter else None
-        if self.sessions:
-            self.sessions.end(req.request_id, drafter_state)
+        self.speculation.finish(req, self.scheduler.end_turn(req.request_id))
+
+    def _expire_sessions(self) -> None:
+        sessions = self.scheduler.sessions
+        if sessions:
+            sessions.expire()
 
     def _add_session_stats(self, stats: StepStats) -> None:
-        if self.sessions:
-            counts = self.sessions.take_stats()
+        sessions = self.scheduler.sessions
+        if sessions:
+            self.speculation.forget_sessions(sessions.take_evicted_keys())
+            counts = sessions.take_stats()
             stats.session_hits, stats.session_misses = counts.hits, counts.misses
             stats.session_reused_tokens, stats.session_evictions = counts.reused_tokens, counts.evictions
-            stats.num_sessions = self.sessions.num_sessions
+            stats.num_sessions = sessions.num_sessions
 
 
-def _forward_item(item: ScheduledRequest) -> ForwardItem:
-    return ForwardItem(item.req.request_id, item.input_token_ids, item.req.num_computed_tokens, item.num_logits)
+def _wire_output(update: RequestUpdate) -> RequestOutput:
+    return RequestOutput(
+        request_id=update.request_id, new_token_ids=update.new_token_ids, finish_reason=update.finish_reason,
+        num_prompt_tokens=update.num_prompt_tokens, spec=update.spec, num_cached_tokens=update.num_cached_tokens,
+    )
 
 
 def _allocate_kv_pool(loaded: LoadedModel, cache: CacheConfig, backend: str) -> tuple[PagedKVPool, KVBlockManager]:
     """The paged pool sized from the memory budget, and the block manager that hands out its blocks."""
-    config = loaded.model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    shape = (config.num_hidden_layers, config.num_key_value_heads, head_dim)
+    shape = kv_shape(loaded.model.config)
     dtype = next(loaded.model.parameters()).dtype
     block_size = cache.block_size or (FLASH_BLOCK_SIZE if backend == "flash" else DEFAULT_BLOCK_SIZE)
     if backend == "flash" and block_size % FLASH_BLOCK_SIZE:

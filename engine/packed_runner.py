@@ -1,14 +1,18 @@
-"""One packed forward over every scheduled request, its KV in the paged pool."""
-from __future__ import annotations
+"""One packed forward over a batch of forward items (engine/forward.py), their KV in the paged pool.
 
-from dataclasses import dataclass
+The runner takes everything from its input: tokens, positions, slots, block tables,
+attention structure, the rows to return and the captures. It reads no scheduler
+object and allocates nothing.
+"""
+from __future__ import annotations
 
 import torch
 
-from engine.paged_attention import (
-    ATTENTION_NAME, MAX_GROUPED_QUERY_LEN, FlashMetadata, PackedBatch, PagedKVPool, build_group, in_place_span,
+from engine.attention_layout import (
+    FlashMetadata, GroupMember, ancestor_matrix, build_group, contiguous_first_slot, in_place_span, query_mask,
 )
-from scheduler.kv_blocks import KVBlockManager
+from engine.forward import ForwardBatch, ForwardItem, ForwardOutput
+from engine.paged_attention import ATTENTION_NAME, MAX_GROUPED_QUERY_LEN, AttentionCapture, PackedBatch, PagedKVPool
 
 # Contexts at least this long are read in place when their slots are contiguous; shorter ones are cheaper to
 # gather into one padded call than to attend one call each (measured on CPU: at 16 requests the two cost the same
@@ -16,104 +20,167 @@ from scheduler.kv_blocks import KVBlockManager
 IN_PLACE_MIN_CONTEXT = 256
 
 
-@dataclass
-class ForwardItem:
-    """One request's part of a packed forward."""
-
-    request_id: str
-    token_ids: list[int]  # new tokens: a prefill chunk, or the last token plus drafts
-    num_computed: int  # positions already in the pool before these tokens
-    num_logits: int  # next-token distributions wanted, for the last `num_logits` new tokens
-
-    @property
-    def context_len(self) -> int:
-        return self.num_computed + len(self.token_ids)
-
-
 class PackedModelRunner:
     def __init__(
-        self, model: torch.nn.Module, device: torch.device, pool: PagedKVPool, backend: str = "sdpa",
+        self, model: torch.nn.Module, device: torch.device, pool: PagedKVPool, block_size: int, backend: str = "sdpa",
         in_place_min_context: int = IN_PLACE_MIN_CONTEXT,
     ) -> None:
         self.model = model
         self.device = device
         self.pool = pool
+        self.block_size = block_size
         self.backend = backend
         self.in_place_min_context = in_place_min_context
         self.heads_per_kv_head = model.config.num_attention_heads // model.config.num_key_value_heads
+        self._hidden_hooks: set[int] = set()  # layers whose output a hook can keep
         model.set_attn_implementation(ATTENTION_NAME)
 
     @torch.inference_mode()
-    def execute(self, items: list[ForwardItem], blocks: KVBlockManager) -> list[torch.Tensor]:
-        """Per item its [num_logits, vocab] float32 logits on the CPU.
-
-        The block manager must already cover every item's context.
-        """
-        token_ids, positions, write_slots, keep, starts = [], [], [], [], []
-        for item in items:
-            starts.append(len(token_ids))
-            token_ids += item.token_ids
-            positions += range(item.num_computed, item.context_len)
-            write_slots += blocks.slots(item.request_id, item.num_computed, item.context_len)
-            keep += range(len(token_ids) - item.num_logits, len(token_ids))
-        batch = PackedBatch(self.pool, self._tensor(write_slots), [])
-        if self.backend == "flash":
-            batch.flash = self._flash_metadata(items, blocks)
-        else:
-            batch.spans, gathered = self._in_place_spans(items, starts, blocks)
-            batch.groups = self._groups(gathered, items, starts, blocks)
+    def execute(self, batch: ForwardBatch) -> ForwardOutput:
+        items = batch.items
+        starts = _starts(items)
+        members = [_member(item, start) for item, start in zip(items, starts)]
+        packed = PackedBatch(self.pool, self.block_size, self._tensor([s for item in items for s in item.slots]))
+        self._lay_out(packed, items, members)
+        self._ask_captures(packed, batch, members)
+        rows = [start + row for item, start in zip(items, starts) for row in item.logit_rows + item.drafter_rows]
         out = self.model(
-            input_ids=self._tensor(token_ids)[None], position_ids=self._tensor(positions)[None],
-            use_cache=False, logits_to_keep=self._tensor(keep), packed_batch=batch,
+            input_ids=self._tensor([t for item in items for t in item.token_ids])[None],
+            position_ids=self._tensor([p for item in items for p in item.positions])[None],
+            use_cache=False, logits_to_keep=self._tensor(rows), packed_batch=packed,
         )
-        logits = out.logits[0].float().cpu()  # [len(keep), vocab]
-        return list(torch.split(logits, [item.num_logits for item in items]))
+        return self._output(batch, packed, out.logits[0].float().cpu())
 
-    def _in_place_spans(self, items: list[ForwardItem], starts: list[int], blocks: KVBlockManager) -> tuple[list, list[int]]:
-        """Spans of the items whose long context lies in consecutive slots, and the indices of the other items."""
-        spans, gathered = [], []
-        for i, item in enumerate(items):
-            first_slot = None
-            if item.context_len >= self.in_place_min_context:
-                first_slot = blocks.contiguous_first_slot(item.request_id, item.context_len)
+    def move_kv(self, moves: list[tuple[int, int]]) -> None:
+        """Copy KV between slots in every layer, in order: an accepted draft branch to its final positions."""
+        if moves:
+            self.pool.move(moves)
+
+    # --- attention layout ------------------------------------------------------------------
+    def _lay_out(self, packed: PackedBatch, items: list[ForwardItem], members: list[GroupMember]) -> None:
+        others = list(range(len(items)))
+        if self.backend == "flash":
+            chains = [i for i in others if items[i].is_chain]
+            packed.flash = self._flash_metadata([members[i] for i in chains]) if chains else None
+            others = [i for i in others if not items[i].is_chain]  # trees: SDPA, in the same step
+        gathered = []
+        for i in others:
+            first_slot = self._in_place_first_slot(members[i])
             if first_slot is None:
-                gathered.append(i)
+                gathered.append(members[i])
             else:
-                spans.append(in_place_span(
-                    starts[i], len(item.token_ids), first_slot, item.context_len, self.heads_per_kv_head, self.device
-                ))
-        return spans, gathered
+                packed.spans.append(in_place_span(members[i], first_slot, self.heads_per_kv_head, self.device))
+        packed.groups = self._groups(gathered)
 
-    def _groups(self, indices: list[int], items: list[ForwardItem], starts: list[int], blocks: KVBlockManager) -> list:
-        """Short requests (decoding, verifying drafts) share one attention call; each long prefill chunk has its own."""
-        short = [i for i in indices if len(items[i].token_ids) <= MAX_GROUPED_QUERY_LEN]
-        long = [[i] for i in indices if len(items[i].token_ids) > MAX_GROUPED_QUERY_LEN]
+    def _in_place_first_slot(self, member: GroupMember) -> int | None:
+        if self.backend == "flash" or member.context_len < self.in_place_min_context:
+            return None
+        return contiguous_first_slot(member.block_table, member.context_len, self.block_size)
+
+    def _groups(self, members: list[GroupMember]) -> list:
+        """Short sequences (decoding, verifying drafts) share one attention call; each long prefill chunk has its own."""
+        short = [m for m in members if m.query_len <= MAX_GROUPED_QUERY_LEN]
+        long = [[m] for m in members if m.query_len > MAX_GROUPED_QUERY_LEN]
         return [
-            build_group(
-                [starts[i] for i in members],
-                [len(items[i].token_ids) for i in members],
-                [items[i].context_len for i in members],
-                [blocks.block_tables[items[i].request_id] for i in members],
-                blocks.block_size,
-                self.heads_per_kv_head,
-                self.device,
-            )
-            for members in ([short] if short else []) + long
+            build_group(group, self.block_size, self.heads_per_kv_head, self.device)
+            for group in ([short] if short else []) + long
         ]
 
-    def _flash_metadata(self, items: list[ForwardItem], blocks: KVBlockManager) -> FlashMetadata:
-        tables = [blocks.block_tables[item.request_id] for item in items]
+    def _flash_metadata(self, members: list[GroupMember]) -> FlashMetadata:
+        tables = [m.block_table for m in members]
         width = max(len(table) for table in tables)
         return FlashMetadata(
-            cu_seqlens_q=self._cumulative([len(item.token_ids) for item in items]),
-            cu_seqlens_k=self._cumulative([item.context_len for item in items]),
-            max_seqlen_q=max(len(item.token_ids) for item in items),
-            max_seqlen_k=max(item.context_len for item in items),
+            query_index=self._tensor([m.query_start + i for m in members for i in range(m.query_len)]),
+            cu_seqlens_q=self._cumulative([m.query_len for m in members]),
+            cu_seqlens_k=self._cumulative([m.context_len for m in members]),
+            max_seqlen_q=max(m.query_len for m in members),
+            max_seqlen_k=max(m.context_len for m in members),
             block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=self.device),
         )
+
+    # --- captures --------------------------------------------------------------------------
+    def _ask_captures(self, packed: PackedBatch, batch: ForwardBatch, members: list[GroupMember]) -> None:
+        capture = batch.capture
+        if capture.hidden_layer is not None:
+            hidden_rows = [m.query_start + row for item, m in zip(batch.items, members) for row in item.hidden_rows]
+            if hidden_rows:
+                self._ensure_hidden_hook(capture.hidden_layer)
+                packed.hidden_layer, packed.hidden_index = capture.hidden_layer, self._tensor(hidden_rows)
+        for layer, head in capture.attention_heads:
+            packed.capture_heads.setdefault(layer, []).append(head)
+        if packed.capture_heads:
+            packed.attention_captures = [
+                self._attention_capture(i, item, member)
+                for i, (item, member) in enumerate(zip(batch.items, members)) if item.attention_rows
+            ]
+
+    def _attention_capture(self, index: int, item: ForwardItem, member: GroupMember) -> AttentionCapture:
+        num_blocks = -(-item.context_len // self.block_size)
+        mask = query_mask(member, item.num_tokens, item.context_len)[item.attention_rows]
+        return AttentionCapture(
+            index, self._tensor([member.query_start + row for row in item.attention_rows]),
+            self._tensor(item.block_table[:num_blocks]), item.context_len, mask.to(self.device),
+        )
+
+    def _ensure_hidden_hook(self, hidden_layer: int) -> None:
+        """A hook on decoder layer HIDDEN_LAYER - 1 keeps its output at the asked rows (transformers' hidden_states
+        index: 1 = after the first layer). The batch travels in the layer's kwargs, so the hook holds no state."""
+        if hidden_layer in self._hidden_hooks:
+            return
+        if not 1 <= hidden_layer <= self.model.config.num_hidden_layers:
+            raise ValueError(f"hidden-state captures need a layer in [1, {self.model.config.num_hidden_layers}]")
+
+        def keep_rows(module, args, kwargs, output) -> None:
+            packed = kwargs.get("packed_batch")
+            if packed is not None and packed.hidden_layer == hidden_layer and packed.hidden_index is not None:
+                hidden = output[0] if isinstance(output, tuple) else output  # [1, total, hidden_size]
+                packed.captured_hidden = hidden[0, packed.hidden_index].float().cpu()
+
+        self.model.model.layers[hidden_layer - 1].register_forward_hook(keep_rows, with_kwargs=True)
+        self._hidden_hooks.add(hidden_layer)
+
+    # --- output ------------------------------------------------------------------------------
+    def _output(self, batch: ForwardBatch, packed: PackedBatch, logits: torch.Tensor) -> ForwardOutput:
+        """logits [rows kept, vocab] -> per item its verifier rows, drafter rows, hidden states and attention rows."""
+        out = ForwardOutput([], [], [], [])
+        logit_start = hidden_start = 0
+        for i, item in enumerate(batch.items):
+            num_logits, num_drafter = len(item.logit_rows), len(item.drafter_rows)
+            out.logits.append(logits[logit_start:logit_start + num_logits])
+            drafter = logits[logit_start + num_logits:logit_start + num_logits + num_drafter]
+            out.drafter_logits.append(drafter if num_drafter else None)
+            logit_start += num_logits + num_drafter
+            hidden = packed.captured_hidden
+            num_hidden = len(item.hidden_rows) if packed.hidden_index is not None else 0
+            out.hidden.append(hidden[hidden_start:hidden_start + num_hidden] if num_hidden else None)
+            hidden_start += num_hidden
+            out.attention.append(self._item_attention(batch, packed, i) if item.attention_rows and packed.capture_heads else None)
+        return out
+
+    @staticmethod
+    def _item_attention(batch: ForwardBatch, packed: PackedBatch, index: int) -> torch.Tensor:
+        """[rows, num capture heads, context_len], the heads in the order the capture spec lists them."""
+        per_head = [
+            packed.captured_attention[(index, layer)][:, packed.capture_heads[layer].index(head)]
+            for layer, head in batch.capture.attention_heads
+        ]
+        return torch.stack(per_head, dim=1).cpu()
 
     def _cumulative(self, lengths: list[int]) -> torch.Tensor:
         return torch.tensor([0] + lengths, dtype=torch.int32, device=self.device).cumsum(0, dtype=torch.int32)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _starts(items: list[ForwardItem]) -> list[int]:
+    starts, total = [], 0
+    for item in items:
+        starts.append(total)
+        total += item.num_tokens
+    return starts
+
+
+def _member(item: ForwardItem, start: int) -> GroupMember:
+    ancestors = ancestor_matrix(item.parents) if item.parents is not None else None
+    return GroupMember(start, item.num_tokens, item.context_len, item.block_table, ancestors)

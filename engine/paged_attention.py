@@ -1,20 +1,26 @@
 """Paged KV pool and the attention function of a packed, ragged forward.
 
-All scheduled requests' new tokens travel in one sequence `[1, total_new_tokens]`.
+All scheduled sequences' new tokens travel in one sequence `[1, total_new_tokens]`.
 Each layer writes its new keys and values into the shared pool at the slots the
-scheduler's block tables give, then attends, for every request, over that request's
-own positions in the pool. Registered through transformers' public
-AttentionInterface, so the model code itself stays transformers'.
+forward items give, then attends, for every sequence, over that sequence's own keys
+in the pool as its layout says (engine/attention_layout.py: a causal chain, or a
+tree whose tokens see their ancestors only). Registered through transformers'
+public AttentionInterface, so the model code itself stays transformers'.
 
 Two backends, chosen at start-up:
-- `sdpa` (CPU and CUDA): a request whose long context lies in one contiguous run
+- `sdpa` (CPU and CUDA): a sequence whose long context lies in one contiguous run
   of the pool (the block manager places blocks so that it usually does) is attended
-  on a view of the pool, nothing copied; the other requests are grouped, each group's
+  on a view of the pool, nothing copied; the other sequences are grouped, each group's
   keys and values gathered from the pool block-wise and attended with one
-  `scaled_dot_product_attention` call (short requests together, each long prefill
+  `scaled_dot_product_attention` call (short sequences together, each long prefill
   chunk on its own);
 - `flash` (CUDA with flash-attn installed): one `flash_attn_varlen_func` call reads
-  the pool through the block tables directly; imported lazily.
+  the pool through the block tables directly, for the chains of the batch; a tree
+  in the same batch goes through SDPA in the same step. Imported lazily.
+
+Captures: the attention rows of chosen heads at chosen queries are recomputed here,
+softmax(q k^T * scale) over the sequence's keys under its mask, since SDPA and
+flash-attn return no weights.
 """
 from __future__ import annotations
 
@@ -24,9 +30,17 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from engine.attention_layout import AttentionGroup, FlashMetadata, InPlaceSpan
+
 ATTENTION_NAME = "specserve_paged"
 FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs blocks of a multiple of 256 positions
-MAX_GROUPED_QUERY_LEN = 16  # requests with at most this many new tokens share one padded attention call
+MAX_GROUPED_QUERY_LEN = 16  # sequences with at most this many new tokens share one padded attention call
+
+
+def kv_shape(model_config) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a transformers model config: the shape of one pool slot."""
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    return model_config.num_hidden_layers, model_config.num_key_value_heads, head_dim
 
 
 class PagedKVPool:
@@ -46,89 +60,48 @@ class PagedKVPool:
         self.keys[layer, slots] = key[0].transpose(0, 1)
         self.values[layer, slots] = value[0].transpose(0, 1)
 
-
-@dataclass
-class AttentionGroup:
-    """Requests attended with one padded SDPA call: R requests, up to Q new tokens, up to L positions each."""
-
-    query_index: torch.Tensor  # [R, Q] packed index of each padded query (padding repeats a real one)
-    block_table: torch.Tensor  # [R, ceil(L / block_size)] pool blocks of each request (padding points at block 0)
-    block_size: int
-    max_len: int  # L
-    mask: torch.Tensor | None  # [R, 1, heads_per_kv_head * Q, L] True where a query may look; None when R == Q == 1
-    valid: torch.Tensor  # [n] flat indices into [R * Q] of the real queries, in packed order
-    packed_index: torch.Tensor  # [n] packed index of those queries
+    def move(self, moves: list[tuple[int, int]]) -> None:
+        """Copy each (from slot, to slot) pair's keys and values in every layer, in order."""
+        for source, target in moves:
+            self.keys[:, target] = self.keys[:, source]
+            self.values[:, target] = self.values[:, source]
 
 
 @dataclass
-class InPlaceSpan:
-    """One request whose positions occupy consecutive pool slots: attended on a view of the pool, nothing copied."""
+class AttentionCapture:
+    """Attention rows to return for one sequence: every capture head at QUERY_INDEX, over its CONTEXT_LEN keys."""
 
-    query_start: int  # packed index of its first new token
-    query_len: int  # Q
-    first_slot: int  # pool slot of its position 0
-    context_len: int  # L
-    mask: torch.Tensor | None  # [1, 1, heads_per_kv_head * Q, L] True where a query may look; None when Q == 1
+    item: int  # the sequence's index in the batch
+    query_index: torch.Tensor  # [rows] packed indices of the queries
+    block_table: torch.Tensor  # [blocks] the sequence's pool blocks
+    context_len: int
+    mask: torch.Tensor  # [rows, context_len] True where a query may look
 
 
 @dataclass
 class PackedBatch:
-    """Where each request's tokens sit in the packed sequence and in the pool."""
+    """Where each sequence's tokens sit in the packed sequence and in the pool, and what the layers capture."""
 
     pool: PagedKVPool
+    block_size: int  # positions per block of the block tables
     write_slots: torch.Tensor  # [total_new_tokens] pool slots of the new tokens
-    groups: list[AttentionGroup]  # sdpa backend: requests whose blocks are gathered
-    spans: list[InPlaceSpan] = field(default_factory=list)  # sdpa backend: requests read in place
-    flash: FlashMetadata | None = None  # flash backend
+    groups: list[AttentionGroup] = field(default_factory=list)  # sdpa: sequences whose blocks are gathered
+    spans: list[InPlaceSpan] = field(default_factory=list)  # sdpa: sequences read in place
+    flash: FlashMetadata | None = None  # flash: the chains
+    capture_heads: dict[int, list[int]] = field(default_factory=dict)  # layer -> query heads whose rows are captured
+    attention_captures: list[AttentionCapture] = field(default_factory=list)
+    captured_attention: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (item, layer) -> [rows, heads, L]
+    hidden_layer: int | None = None  # capture the residual stream after this many decoder layers
+    hidden_index: torch.Tensor | None = None  # [n] packed indices whose hidden state is kept
+    captured_hidden: torch.Tensor | None = None  # [n, hidden_size]
 
 
-@dataclass
-class FlashMetadata:
-    cu_seqlens_q: torch.Tensor  # [R + 1] int32 offsets of each request's new tokens
-    cu_seqlens_k: torch.Tensor  # [R + 1] int32 offsets of each request's positions
-    max_seqlen_q: int
-    max_seqlen_k: int
-    block_table: torch.Tensor  # [R, max blocks] int32
-
-
-def build_group(
-    query_starts: list[int], query_lens: list[int], context_lens: list[int], tables: list[list[int]], block_size: int,
-    heads_per_kv_head: int, device: torch.device,
-) -> AttentionGroup:
-    """The padded attention call of R requests: request r's queries are the last query_lens[r] of context_lens[r] positions."""
-    num_reqs, max_q, max_len = len(query_lens), max(query_lens), max(context_lens)
-    offsets = torch.arange(max_q)
-    starts, q_lens, ctx_lens = torch.tensor(query_starts), torch.tensor(query_lens), torch.tensor(context_lens)
-    real = offsets[None, :] < q_lens[:, None]  # [R, Q]
-    query_index = starts[:, None] + torch.where(real, offsets[None, :], 0)
-    max_blocks = -(-max_len // block_size)
-    table = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables])  # [R, max_blocks]
-    query_positions = ctx_lens[:, None] - q_lens[:, None] + offsets[None, :]  # [R, Q]
-    mask = torch.arange(max_len)[None, None, :] <= query_positions[:, :, None]  # [R, Q, L]
-    mask = None if num_reqs == max_q == 1 else _tile_mask(mask[:, None], heads_per_kv_head).to(device)
-    return AttentionGroup(
-        query_index.to(device), table.to(device), block_size, max_len, mask, real.flatten().nonzero()[:, 0].to(device), query_index[real].to(device)
-    )
-
-
-def in_place_span(
-    query_start: int, query_len: int, first_slot: int, context_len: int, heads_per_kv_head: int, device: torch.device
-) -> InPlaceSpan:
-    """The span of a request whose queries are the last `query_len` of `context_len` positions."""
-    mask = None
-    if query_len > 1:
-        query_positions = torch.arange(context_len - query_len, context_len)
-        mask = (torch.arange(context_len)[None, :] <= query_positions[:, None])[None, None]
-        mask = _tile_mask(mask, heads_per_kv_head).to(device)
-    return InPlaceSpan(query_start, query_len, first_slot, context_len, mask)
-
-
-def _gather_blocks(layer_pool: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
-    """[num_slots, kv_heads, head_dim] -> [R, L, kv_heads, head_dim]: whole blocks are copied, not single slots."""
-    num_reqs, num_blocks = group.block_table.shape
-    by_block = layer_pool.view(-1, group.block_size * layer_pool.shape[1] * layer_pool.shape[2])
-    gathered = by_block.index_select(0, group.block_table.flatten())
-    return gathered.view(num_reqs, num_blocks * group.block_size, *layer_pool.shape[1:])[:, :group.max_len]
+def _gather_blocks(layer_pool: torch.Tensor, block_table: torch.Tensor, block_size: int, max_len: int) -> torch.Tensor:
+    """[num_slots, kv_heads, head_dim] -> [R, L, kv_heads, head_dim] for block_table [R, blocks]: whole blocks copied."""
+    num_reqs, num_blocks = block_table.shape
+    by_block = layer_pool.view(-1, block_size * layer_pool.shape[1] * layer_pool.shape[2])
+    gathered = by_block.index_select(0, block_table.flatten())
+    return gathered.view(num_reqs, num_blocks * block_size, *layer_pool.shape[1:])[:, :max_len]
 
 
 def _attend_heads_as_rows(
@@ -138,7 +111,7 @@ def _attend_heads_as_rows(
     that head, so every KV head is read once (on CPU ~1.5x faster than `enable_gqa`, which reads it per query head).
 
     q [R, heads, Q, head_dim]; k, v [R, kv_heads, L, head_dim]; mask [R, 1, Q * heads / kv_heads, L] (already
-    tiled, see `_tile_mask`) or None -> [R, heads, Q, head_dim].
+    tiled) or None -> [R, heads, Q, head_dim].
     """
     num_reqs, heads, query_len, head_dim = q.shape
     rows = q.reshape(num_reqs, k.shape[1], heads // k.shape[1] * query_len, head_dim)
@@ -146,21 +119,14 @@ def _attend_heads_as_rows(
     return o.reshape(num_reqs, heads, query_len, head_dim)  # CUDA kernels may return other strides
 
 
-def _tile_mask(mask: torch.Tensor, heads_per_kv_head: int) -> torch.Tensor:
-    """[R, 1, Q, L] -> [R, 1, heads_per_kv_head * Q, L]: the mask of every query head folded into rows."""
-    return mask.repeat(1, 1, heads_per_kv_head, 1)
-
-
-def _sdpa_groups(query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float | None) -> torch.Tensor:
-    """query [1, heads, total, head_dim] -> [total, heads, head_dim]."""
-    packed_query = query[0].transpose(0, 1)  # [total, heads, head_dim]
-    out = torch.empty_like(packed_query)
+def _sdpa(packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float | None, out: torch.Tensor) -> None:
+    """packed_query, out: [total, heads, head_dim]; fills the rows of the grouped and in-place sequences."""
     keys, values = batch.pool.keys[layer], batch.pool.values[layer]
     for group in batch.groups:
         num_reqs, max_q = group.query_index.shape
         q = packed_query[group.query_index].transpose(1, 2)  # [R, heads, Q, head_dim]
-        k = _gather_blocks(keys, group).transpose(1, 2)  # [R, kv_heads, L, head_dim]
-        v = _gather_blocks(values, group).transpose(1, 2)
+        k = _gather_blocks(keys, group.block_table, group.block_size, group.max_len).transpose(1, 2)
+        v = _gather_blocks(values, group.block_table, group.block_size, group.max_len).transpose(1, 2)
         o = _attend_heads_as_rows(q, k, v, group.mask, scaling).transpose(1, 2)  # [R, Q, heads, head_dim]
         out[group.packed_index] = o.reshape(num_reqs * max_q, *o.shape[2:])[group.valid]
     for span in batch.spans:
@@ -170,17 +136,16 @@ def _sdpa_groups(query: torch.Tensor, layer: int, batch: PackedBatch, scaling: f
         k = keys[positions].transpose(0, 1)[None]  # [1, kv_heads, L, head_dim], a view of the pool
         v = values[positions].transpose(0, 1)[None]
         out[queries] = _attend_heads_as_rows(q, k, v, span.mask, scaling)[0].transpose(0, 1)
-    return out
 
 
-def _flash(query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float | None) -> torch.Tensor:
+def _flash(packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float | None, out: torch.Tensor) -> None:
     from flash_attn import flash_attn_varlen_func  # CUDA only; CPU installs never import it
 
     meta, pool = batch.flash, batch.pool
     num_slots, kv_heads, head_dim = pool.keys.shape[1:]
     shape = (num_slots // FLASH_BLOCK_SIZE, FLASH_BLOCK_SIZE, kv_heads, head_dim)
-    return flash_attn_varlen_func(
-        query[0].transpose(0, 1),  # [total, heads, head_dim]
+    out[meta.query_index] = flash_attn_varlen_func(
+        packed_query[meta.query_index],  # [n, heads, head_dim]
         pool.keys[layer].view(shape),
         pool.values[layer].view(shape),
         cu_seqlens_q=meta.cu_seqlens_q,
@@ -191,6 +156,23 @@ def _flash(query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float |
         causal=True,  # aligned to the bottom right: query i of q sees the first L - q + i + 1 positions
         block_table=meta.block_table,
     )
+
+
+def _capture_attention(packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float) -> None:
+    """The capture heads' attention rows of this layer, per sequence that asked: [rows, heads, L] each."""
+    heads = batch.capture_heads.get(layer)
+    if not heads:
+        return
+    heads_per_kv_head = packed_query.shape[1] // batch.pool.keys.shape[2]
+    kv_heads = [head // heads_per_kv_head for head in heads]
+    for capture in batch.attention_captures:
+        table = capture.block_table[None]  # [1, blocks]
+        keys = _gather_blocks(batch.pool.keys[layer], table, batch.block_size, capture.context_len)[0]  # [L, kv_heads, d]
+        q = packed_query[capture.query_index][:, heads].float()  # [rows, heads, head_dim]
+        k = keys[:, kv_heads].float()  # [L, heads, head_dim]
+        scores = torch.einsum("rhd,lhd->rhl", q, k) * scaling
+        scores = scores.masked_fill(~capture.mask[:, None, :], float("-inf"))
+        batch.captured_attention[(capture.item, layer)] = torch.softmax(scores, dim=-1)
 
 
 def paged_attention_forward(
@@ -209,8 +191,13 @@ def paged_attention_forward(
         raise ValueError(f"{ATTENTION_NAME} attention needs a packed_batch argument")
     layer = module.layer_idx
     packed_batch.pool.write(layer, key, value, packed_batch.write_slots)
-    attend = _flash if packed_batch.flash is not None else _sdpa_groups
-    return attend(query, layer, packed_batch, scaling)[None], None
+    packed_query = query[0].transpose(0, 1)  # [total, heads, head_dim]
+    out = torch.empty_like(packed_query)
+    if packed_batch.flash is not None:
+        _flash(packed_query, layer, packed_batch, scaling, out)
+    _sdpa(packed_query, layer, packed_batch, scaling, out)
+    _capture_attention(packed_query, layer, packed_batch, scaling if scaling is not None else query.shape[-1] ** -0.5)
+    return out[None], None
 
 
 def flash_attn_available(device: torch.device) -> bool:

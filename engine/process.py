@@ -9,12 +9,11 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.wire import AbortRequest, EngineDead, EngineOutputs, RequestOutput, StepStats, ToEngine
+from engine.wire import AbortRequest, EngineDead, EngineError, EngineOutputs, RequestOutput, StepStats, ToEngine
 from scheduler.scheduler import QueueFullError
 
 logger = logging.getLogger("specserve.engine")
 
-QUEUE_FULL_PREFIX = "queue full: "
 IDLE_POLL_MS = 1000  # while idle, how often the engine checks that its server still exists
 
 
@@ -84,7 +83,7 @@ class EngineLoop:
         try:
             return self.engine.add_request(message)
         except QueueFullError as exc:
-            return RequestOutput(message.request_id, [], finish_reason="error", error=QUEUE_FULL_PREFIX + str(exc))
+            return RequestOutput(message.request_id, [], finish_reason="error", error=EngineError("queue_full", str(exc)))
 
 
 def run_engine_process(config: EngineConfig, input_address: str, output_address: str) -> None:

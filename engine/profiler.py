@@ -5,7 +5,8 @@ import time
 
 import torch
 
-from engine.packed_runner import ForwardItem, PackedModelRunner
+from engine.forward import ForwardBatch, chain_item
+from engine.packed_runner import PackedModelRunner
 from scheduler.kv_blocks import KVBlockManager
 
 PROFILE_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the latency model extrapolates linearly beyond
@@ -24,22 +25,22 @@ def profile_forward_latency(runner: PackedModelRunner, blocks: KVBlockManager, v
     context_len = min(PROFILE_CONTEXT_LEN, max_model_len - max(counts))
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab_size, (context_len + max(counts),), generator=generator).tolist()
-    blocks.grow(PROFILE_REQUEST_ID, len(context))
+    table = blocks.grow(PROFILE_REQUEST_ID, len(context))
     try:
-        runner.execute([ForwardItem(PROFILE_REQUEST_ID, context[:context_len], 0, 1)], blocks)
+        runner.execute(ForwardBatch([chain_item(context[:context_len], 0, table, blocks.block_size)]))
         fastest = {n: float("inf") for n in counts}
         for _ in range(PROFILE_ROUNDS):
             for n in counts:
-                fastest[n] = min(fastest[n], _forward_seconds(runner, blocks, context, context_len, n))
+                fastest[n] = min(fastest[n], _forward_seconds(runner, table, context, context_len, n))
         return fastest
     finally:
         blocks.free(PROFILE_REQUEST_ID)
 
 
-def _forward_seconds(runner: PackedModelRunner, blocks: KVBlockManager, context: list[int], context_len: int, num_tokens: int) -> float:
-    item = ForwardItem(PROFILE_REQUEST_ID, context[context_len:context_len + num_tokens], context_len, num_tokens)
+def _forward_seconds(runner: PackedModelRunner, table: list[int], context: list[int], context_len: int, num_tokens: int) -> float:
+    item = chain_item(context[context_len:context_len + num_tokens], context_len, table, runner.block_size, num_tokens)
     start = time.perf_counter()
-    runner.execute([item], blocks)
+    runner.execute(ForwardBatch([item]))
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     return time.perf_counter() - start

@@ -1,14 +1,9 @@
-"""Target distributions and lossless verification of drafted tokens.
+"""The distribution plain sampling draws from, and the uniforms that realise it.
 
-Greedy: accept drafted tokens while they equal the argmax, then add the argmax
-at the first mismatch (or after the last draft) as the bonus token.
-
-Sampling with point-mass drafts (copied or n-gram tokens, q = δ_x): accept x with
-probability p(x); on rejection sample from p with x removed and renormalised,
-which is the residual (p - q)+ of speculative sampling for a point mass. p is the
-distribution plain sampling draws from: temperature, then top-k, then top-p. Both
-are realised by sampling p itself at every position from that position's own
-uniform (`verify_point_mass`), so seeded sampling does not depend on the drafts.
+p is temperature, then top-k, then top-p over the target's logits. A sample is the
+inverse CDF of p at a uniform; each output position of a request has its own uniform,
+drawn once, so seeded sampling does not depend on how many drafts a step verified
+(engine/verifier.py).
 """
 from __future__ import annotations
 
@@ -37,39 +32,6 @@ def _mask_top_p(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
     return scaled.masked_fill(remove, float("-inf"))
 
 
-def verify_greedy(logits: torch.Tensor, draft_token_ids: list[int]) -> list[int]:
-    """logits [k+1, vocab] at the last real token and each of the k drafts -> accepted drafts + bonus."""
-    argmax = logits.argmax(dim=-1).tolist()  # [k+1]
-    accepted = []
-    for draft_id, target_id in zip(draft_token_ids, argmax):
-        if draft_id != target_id:
-            break
-        accepted.append(draft_id)
-    accepted.append(argmax[len(accepted)])
-    return accepted
-
-
-def verify_point_mass(probs: torch.Tensor, draft_token_ids: list[int], uniforms: list[float]) -> list[int]:
-    """probs [k+1, vocab], uniforms [k+1] in (0, 1] -> accepted drafts + one token of the target distribution.
-
-    Position i's token is the target's own sample, the inverse CDF of probs[i] at
-    uniforms[i]; a drafted token is accepted when it is that sample. It is accepted
-    with probability p(x), and a rejected draft is replaced by a sample of p with x
-    removed and renormalised: the point-mass rule of speculative sampling, exactly.
-    A position's token depends on its distribution and its uniform only, never on
-    what was drafted, so a seeded request samples the same tokens with or without
-    speculation.
-    """
-    sampled = inverse_cdf_samples(probs, uniforms)  # [k+1]
-    accepted = []
-    for draft_id, token_id in zip(draft_token_ids, sampled):
-        if draft_id != token_id:
-            break
-        accepted.append(draft_id)
-    accepted.append(sampled[len(accepted)])
-    return accepted
-
-
 def inverse_cdf_samples(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
     """probs [n, vocab] (unnormalised), uniforms [n] in (0, 1] -> [n] tokens, token i with probability probs[i, token].
 
@@ -96,27 +58,3 @@ class UniformStream:
 
     def advance(self, num_positions: int) -> None:
         del self.pending[:num_positions]
-
-
-class Verifier:
-    """Verifies each request's drafts; sampled requests draw from one uniform stream each (seeded when asked)."""
-
-    def __init__(self) -> None:
-        self._streams: dict[str, UniformStream] = {}
-
-    def verify(self, request_id: str, params: SamplingParams, logits: torch.Tensor, draft_token_ids: list[int]) -> list[int]:
-        if params.greedy:
-            return verify_greedy(logits, draft_token_ids)
-        stream = self._stream(request_id, params)
-        tokens = verify_point_mass(target_probs(logits, params), draft_token_ids, stream.next(len(draft_token_ids) + 1))
-        stream.advance(len(tokens))
-        return tokens
-
-    def _stream(self, request_id: str, params: SamplingParams) -> UniformStream:
-        if request_id not in self._streams:
-            generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-            self._streams[request_id] = UniformStream(generator)
-        return self._streams[request_id]
-
-    def finish(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)

@@ -1,11 +1,18 @@
 """Typed messages between the server process and the engine process.
 
 The engine sees token ids only; the server sees no tensors. Add fields only at
-the end of a struct so that both sides stay compatible.
+the end of a struct so that both sides stay compatible. The step statistics are the
+scheduler's own plain records (scheduler/records.py), which msgspec encodes as they are.
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
+
+from scheduler.records import DraftStepStats, SpecStats, StepStats  # the scheduler's own records travel as they are
+
+__all__ = ["DraftStepStats", "SpecStats", "StepStats"]  # re-exported for the server, which reads them
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -33,14 +40,11 @@ class AbortRequest(msgspec.Struct, tag="abort"):
     request_id: str
 
 
-class SpecStats(msgspec.Struct):
-    num_drafts: int = 0  # verification rounds that carried at least one draft token
-    num_draft_tokens: int = 0  # drafted tokens sent to verification
-    num_accepted_tokens: int = 0
+class EngineError(msgspec.Struct):
+    """Why the engine refused a request (the engine itself is fine)."""
 
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+    kind: Literal["queue_full", "invalid_request"]
+    message: str
 
 
 class RequestOutput(msgspec.Struct):
@@ -49,38 +53,8 @@ class RequestOutput(msgspec.Struct):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int = 0
     spec: SpecStats | None = None  # the request's running speculative totals
-    error: str | None = None
+    error: EngineError | None = None  # set when finish_reason is "error"
     num_cached_tokens: int = 0  # prompt tokens whose KV came from a session cache
-
-
-class DraftStepStats(msgspec.Struct):
-    """One drafter's speculation in one step."""
-
-    num_drafts: int = 0  # requests that verified at least one of its drafted tokens
-    num_draft_tokens: int = 0  # its drafted tokens that were verified
-    num_accepted_tokens: int = 0
-    num_accepted_per_position: list[int] = []  # [max verified position] accepted tokens at draft position i
-
-
-class StepStats(msgspec.Struct):
-    num_running: int = 0
-    num_waiting: int = 0
-    num_offered_draft_tokens: int = 0  # drafted tokens the drafters proposed this step
-    num_verified_draft_tokens: int = 0  # of those, how many the planner sent to the forward
-    num_accepted_tokens: int = 0
-    step_seconds: float = 0.0
-    spec_by_drafter: dict[str, DraftStepStats] = {}
-    planned_tokens: float = 0.0  # tokens the planner expected this step to yield
-    planned_seconds: float = 0.0  # seconds the latency model predicted for this step's forwards
-    num_generated_tokens: int = 0  # tokens this step appended to its requests
-    kv_cache_usage: float = 0.0  # fraction of the paged KV pool's blocks in use after the step
-    num_scheduled_tokens: int = 0  # tokens in the step's packed forward: prefill chunks, last tokens, drafts
-    num_preemptions: int = 0  # requests sent back to the waiting queue this step (recomputed later)
-    session_hits: int = 0  # requests since the last step that found a cached session
-    session_misses: int = 0  # requests since the last step that looked for a session and found none
-    session_reused_tokens: int = 0  # their prompt tokens whose KV came from a session: prefill saved
-    session_evictions: int = 0  # sessions evicted since the last step
-    num_sessions: int = 0  # sessions cached after the step
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SESSION_MODES = ("implicit", "explicit", "off")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -22,3 +24,20 @@ class SchedulerConfig:
             raise ValueError("max_waiting must not be negative")
         if not 0.0 < self.acceptance_prior < 1.0:
             raise ValueError("acceptance_prior must lie strictly between 0 and 1")
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Multi-turn session caches (scheduler/sessions.py)."""
+
+    mode: str = "implicit"  # implicit: named sessions and longest cached prefix | explicit: named sessions only | off
+    ttl_s: float = 600.0  # seconds a session stays cached after its last use
+    max_sessions: int = 256  # sessions cached at once; the least recently used goes first
+
+    def __post_init__(self) -> None:
+        if self.mode not in SESSION_MODES:
+            raise ValueError(f"session mode must be one of {SESSION_MODES}, got {self.mode!r}")
+        if self.ttl_s <= 0:
+            raise ValueError("session ttl must be positive")
+        if self.max_sessions < 1:
+            raise ValueError("max_sessions must be at least 1")

@@ -4,8 +4,18 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from engine.wire import SamplingParams, SpecStats
+from drafters.base import Draft
+from scheduler.records import SpecStats
+
+
+class StopParams(Protocol):
+    """What the scheduler reads of a request's sampling parameters (the engine's SamplingParams have these)."""
+
+    max_tokens: int
+    stop_token_ids: list[int]
+    ignore_eos: bool
 
 
 class RequestStatus(enum.Enum):
@@ -18,18 +28,15 @@ class RequestStatus(enum.Enum):
 class Request:
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingParams
+    sampling: StopParams
     session_id: str | None = None
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, grows as tokens are accepted
     num_computed_tokens: int = 0  # positions whose KV is in the cache
     num_cached_tokens: int = 0  # prompt positions whose KV a session cache supplied (prefill saved)
-    draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step
-    draft_source: str = ""
+    draft: Draft | None = None  # proposed for the next step
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     spec: SpecStats = field(default_factory=SpecStats)
-    num_accepted_by_position: list[int] = field(default_factory=list)  # [max draft position] this request's accepts
-    num_offered_by_position: list[int] = field(default_factory=list)  # [max draft position] its verified drafts
     num_steps_unverified: int = 0  # steps in a row that offered drafts and verified none
     arrival_time: float = field(default_factory=time.monotonic)  # seconds, monotonic clock
 
@@ -56,3 +63,8 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_decoding(self) -> bool:
+        """Running with only its last token uncomputed: the state in which it verifies drafts."""
+        return self.status is RequestStatus.RUNNING and self.num_uncomputed_tokens == 1

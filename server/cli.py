@@ -1,16 +1,14 @@
-"""`specserve serve` and `specserve bench`: flags in, one Config out."""
+"""`specserve serve`: flags in, one Config out. The engine flags are shared with `specserve bench` (bench/cli.py);
+the `specserve` command itself (specserve.py) wires the two."""
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from drafters.config import SpecConfig
 from drafters.registry import DRAFTER_NAMES
-from engine.config import (
-    ATTENTION_BACKENDS, DEVICES, DTYPES, SESSION_MODES, CacheConfig, EngineConfig, ModelConfig, SessionConfig,
-)
-from scheduler.config import SchedulerConfig
+from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, CacheConfig, EngineConfig, ModelConfig
+from scheduler.config import SESSION_MODES, SchedulerConfig, SessionConfig
 from server.auth import API_KEY_ENV
 from server.config import Config, ServerConfig
 
@@ -34,6 +32,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-goodput-planner", action="store_true", help="verify every drafted token")
     parser.add_argument("--copy-gamma", type=int, default=SpecConfig.copy_gamma, help="CopySpec match length γ")
     parser.add_argument("--copy-max-tokens", type=int, default=SpecConfig.copy_max_tokens, help="CopySpec tokens copied per match |S|")
+    parser.add_argument("--ngram-k", type=int, default=SpecConfig.ngram_k, help="n-grams: candidate rows per draft, merged into one tree")
+    parser.add_argument("--ngram-w", type=int, default=SpecConfig.ngram_w, help="n-grams: tokens per candidate row")
+    parser.add_argument("--cache-dir", default=None, help="where tables derived from the model are kept (default: $XDG_CACHE_HOME/specserve)")
     parser.add_argument(
         "--session-mode", choices=SESSION_MODES, default=SessionConfig.mode,
         help="multi-turn session caches: implicit (X-Session-ID / session_id, else the longest cached prefix), "
@@ -45,7 +46,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace, drafter: str) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(args.model, args.device, args.dtype, args.max_model_len, args.trust_remote_code, args.num_threads),
+        model=ModelConfig(
+            args.model, args.device, args.dtype, args.max_model_len, args.trust_remote_code, args.num_threads,
+            cache_dir=args.cache_dir,
+        ),
         cache=CacheConfig(args.kv_cache_memory, args.block_size, args.attention_backend),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -53,14 +57,15 @@ def engine_config_from_args(args: argparse.Namespace, drafter: str) -> EngineCon
             max_waiting=args.max_waiting,
             use_goodput_planner=not args.no_goodput_planner,
         ),
-        spec=SpecConfig(drafter=drafter, copy_gamma=args.copy_gamma, copy_max_tokens=args.copy_max_tokens),
+        spec=SpecConfig(
+            drafter=drafter, copy_gamma=args.copy_gamma, copy_max_tokens=args.copy_max_tokens, ngram_k=args.ngram_k,
+            ngram_w=args.ngram_w,
+        ),
         sessions=SessionConfig(args.session_mode, args.session_ttl, args.max_sessions),
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specserve", description="Lossless speculative LLM serving")
-    commands = parser.add_subparsers(dest="command", required=True)
+def add_serve_parser(commands) -> None:
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible API")
     add_engine_flags(serve)
     serve.add_argument("--drafter", choices=DRAFTER_NAMES, default="copyspec")
@@ -68,10 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=ServerConfig.port)
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=f"require this bearer key on /v1 (default: ${API_KEY_ENV})")
-    from bench.cli import add_bench_parser
-
-    add_bench_parser(commands, add_engine_flags)
-    return parser
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -93,17 +94,3 @@ def serve(args: argparse.Namespace) -> None:
     engine = EngineClient(config.engine, config.server.engine_start_timeout_s, ServerMetrics(model_name))
     app = build_app(config, engine, load_tokenizer(config.engine.model))
     uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="info")
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        serve(args)
-    else:
-        from bench.cli import run_bench
-
-        run_bench(args, engine_config_from_args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,7 +13,7 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.process import QUEUE_FULL_PREFIX, run_engine_process
+from engine.process import run_engine_process
 from engine.wire import AbortRequest, EngineDead, EngineOutputs, EngineReady, EngineRequest, FromEngine, RequestOutput, StepStats
 from server.metrics import ServerMetrics
 
@@ -158,9 +158,11 @@ def _raise_if_failed(item: RequestOutput | Exception) -> RequestOutput:
     if isinstance(item, Exception):
         raise item
     if item.finish_reason == "error":
-        if item.error and item.error.startswith(QUEUE_FULL_PREFIX):
-            raise QueueFullError(item.error[len(QUEUE_FULL_PREFIX):])
-        raise EngineRequestError(item.error or "the engine refused the request")
+        if item.error is None:
+            raise EngineRequestError("the engine refused the request")
+        if item.error.kind == "queue_full":
+            raise QueueFullError(item.error.message)
+        raise EngineRequestError(item.error.message)
     return item
 
 

@@ -23,7 +23,7 @@ from bench.sessions import (
 )
 from bench.sessions_report import ORDER, ORDER_NOTE, speed_ratios, summary_rows, ttft_ratios, write_sessions_results
 from bench.sse_client import StreamedReply
-from server.cli import build_parser
+from specserve import build_parser
 from tests.conftest import TEST_DATA_DIR
 
 
@@ -240,7 +240,7 @@ def test_cli_runs_off_first_and_passes_engine_flags_on():
 @pytest.mark.slow
 def test_smoke_sessions_off_and_implicit_against_real_servers(tmp_path, capsys):
     """One conversation of each benchmark, 8 tokens a turn, through two real servers (off and implicit, no drafter)."""
-    from server.cli import main
+    from specserve import main
 
     main(["bench", "sessions", "--session-modes", "implicit", "--drafters", "none", "--limit", "1",
           "--self-correction-limit", "1", "--max-new-tokens", "8", "--kv-cache-memory", "0.25", "--out", str(tmp_path),

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from bench.server_process import specserve_command
-from server.cli import build_parser
+from specserve import build_parser
 from tests.deploy.tools import COMPOSE, DOCKER, DOCKERFILES, ENTRYPOINT, K8S, REPO, venv_tool
 
 IMAGE_ENTRYPOINT = "/usr/local/bin/specserve-entrypoint"
@@ -64,10 +64,10 @@ def test_entrypoint_runs_the_command_the_tests_start(tmp_path):
     port = 8123
     env = {"SPECSERVE_HOST": "127.0.0.1", "SPECSERVE_PORT": str(port), "SPECSERVE_DRAFTER": "copyspec"}
     tests_command = specserve_command(port, "--drafter", "copyspec")
-    assert tests_command[1:4] == ["-m", "server.cli", "serve"]
+    assert tests_command[1:4] == ["-m", "specserve", "serve"]
     assert entrypoint_argv(tmp_path, env) == tests_command[3:]  # the entrypoint execs the `specserve` script...
     script = re.search(r'^specserve = "(.+)"$', (REPO / "pyproject.toml").read_text(), re.M)
-    assert script and script.group(1) == "server.cli:main"  # ...which is server.cli's main, as `python -m server.cli` runs it
+    assert script and script.group(1) == "specserve:main"  # ...which is specserve's main, as `python -m specserve` runs it
 
 
 def test_entrypoint_defaults_listen_on_all_interfaces_port_8000(tmp_path):

@@ -1,9 +1,7 @@
 import pytest
 
 from drafters.base import Draft
-from drafters.config import SpecConfig
 from drafters.copyspec import CopyIndex, CopySpecDrafter
-from drafters.registry import build_drafter
 
 
 class Req:
@@ -78,7 +76,7 @@ def test_a_next_turn_resumes_the_index_and_copies_the_answer_as_generated():
     # the client re-rendered the answer differently from what was generated (40 41 99 43 44), then asks again
     turn2 = Req("t2", [1, 2, 3, 40, 41, 42, 43, 44, 7, 40, 41])
     drafter.begin(turn2, state)
-    assert drafter._states["t2"].index is index and index.num_indexed == len(turn2.all_token_ids)
+    assert drafter._corpora["t2"].index is index and index.num_indexed == len(turn2.all_token_ids)
     assert drafter.propose([turn2]) == [Draft([42, 43, 44, 7], "copyspec")]
 
 
@@ -87,7 +85,7 @@ def test_an_edited_turn_keeps_the_old_answer_to_copy_from():
     state = finished_turn(drafter, "t1", [1, 2, 3], [60, 61, 62, 63])
     edited = Req("t1-edited", [1, 5, 3])  # the user changed a word of turn 1 and asks again
     drafter.begin(edited, state)
-    assert drafter._states["t1-edited"].corpus == [2, 3, 60, 61, 62, 63, 1, 5, 3]
+    assert drafter._corpora["t1-edited"].corpus == [2, 3, 60, 61, 62, 63, 1, 5, 3]
     edited.all_token_ids += [60]
     drafter.extend(edited, [60])
     assert drafter.propose([edited]) == [Draft([61, 62, 63], "copyspec")]  # the old answer
@@ -102,13 +100,5 @@ def test_a_copy_source_stays_within_twice_the_context_over_many_edits():
         drafter.begin(req, state)
         req.all_token_ids += list(range(300, 310))
         drafter.extend(req, list(range(300, 310)))
-        assert len(drafter._states[req.request_id].corpus) <= 2 * len(req.all_token_ids)
+        assert len(drafter._corpora[req.request_id].corpus) <= 2 * len(req.all_token_ids)
         state = drafter.finish(req)
-
-
-def test_registry_builds_by_name():
-    assert build_drafter(SpecConfig(drafter="none")) is None
-    drafter = build_drafter(SpecConfig(drafter="copyspec", copy_gamma=5, copy_max_tokens=7))
-    assert (drafter.gamma, drafter.max_tokens) == (5, 7)
-    with pytest.raises(ValueError, match="unknown drafter"):
-        build_drafter(SpecConfig(drafter="nope"))

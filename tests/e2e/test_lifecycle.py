@@ -64,7 +64,7 @@ def test_a_missing_model_file_stops_the_server_with_a_clear_message(tmp_path):
     import sys
 
     result = subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", "--model", str(tmp_path / "missing.gguf")],
+        [sys.executable, "-m", "specserve", "serve", "--model", str(tmp_path / "missing.gguf")],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode != 0

@@ -1,4 +1,5 @@
-"""The engine on a tiny random model: exactness of speculation, KV rollback, request validation."""
+"""The engine on a tiny random model: exactness of speculation (chains and trees), KV rollback and moves,
+request validation."""
 import random
 
 import pytest
@@ -13,23 +14,29 @@ from tests.conftest import TINY_VOCAB
 from tests.engine.helpers import run_to_completion
 
 
-def make_engine(model_dir, drafter, planner=True):
+def make_engine(model_dir, drafter, planner=True, cache_dir=None):
     from scheduler.config import SchedulerConfig
 
     return Engine(EngineConfig(
-        model=ModelConfig(model=model_dir, device="cpu"),
+        model=ModelConfig(model=model_dir, device="cpu", cache_dir=cache_dir),
         scheduler=SchedulerConfig(max_num_seqs=8, use_goodput_planner=planner),
-        spec=SpecConfig(drafter=drafter, copy_gamma=2),
+        spec=SpecConfig(drafter=drafter, copy_gamma=2, ngram_k=5, ngram_w=4),
     ))
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_dir):
-    return {
+def engines(tiny_model_dir, tmp_path_factory):
+    cache_dir = str(tmp_path_factory.mktemp("tables"))
+    engines = {
         "none": make_engine(tiny_model_dir, "none"),
         "copyspec": make_engine(tiny_model_dir, "copyspec", planner=False),  # verify every draft: most rejections
         "copyspec-planned": make_engine(tiny_model_dir, "copyspec"),
+        "ngram": make_engine(tiny_model_dir, "ngram", planner=False, cache_dir=cache_dir),  # every tree node verified
+        "ngram-planned": make_engine(tiny_model_dir, "ngram", cache_dir=cache_dir),
     }
+    for name in ("ngram", "ngram-planned"):  # the tiny vocabulary's bigram table takes a moment to build
+        assert engines[name].speculation.drafter.bigram.wait(60) is not None
+    return engines
 
 
 def prompts(num, seed=0):
@@ -42,24 +49,43 @@ def test_greedy_speculation_equals_plain_decoding(engines):
     params = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)] * len(batch)
     reference = run_to_completion(engines["none"], batch, params)
     model = engines["none"].runner.model
-    for name in ("copyspec", "copyspec-planned"):
+    for name in ("copyspec", "copyspec-planned", "ngram", "ngram-planned"):
         outputs = run_to_completion(engines[name], batch, params)
         for i, prompt in enumerate(batch):
             ref, out = reference[f"req-{i}"].new_token_ids, outputs[f"req-{i}"].new_token_ids
             assert divergence_verdict(model, prompt, ref, out) != "mismatch", (name, i)
-    drafted = sum(o.spec.num_draft_tokens for o in run_to_completion(engines["copyspec"], batch, params).values())
-    assert drafted > 0, "the test must exercise speculation"
+        assert sum(o.spec.num_accepted_tokens for o in outputs.values()) > 0, f"{name} must exercise speculation"
 
 
-def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(engines):
+@pytest.mark.parametrize("drafter", ["copyspec", "ngram"])
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(engines, drafter):
     batch = prompts(4, seed=3)
     params = [SamplingParams(temperature=0.5, top_p=0.95, seed=11 + i, max_tokens=60, ignore_eos=True) for i in range(len(batch))]
     reference = run_to_completion(engines["none"], batch, params)
-    speculative = run_to_completion(engines["copyspec"], batch, params)
+    speculative = run_to_completion(engines[drafter], batch, params)
     assert sum(o.spec.num_accepted_tokens for o in speculative.values()) > 0, "drafts must be accepted for this to mean something"
     assert sum(o.spec.num_draft_tokens - o.spec.num_accepted_tokens for o in speculative.values()) > 0, "and rejected"
     for request_id, output in reference.items():
         assert speculative[request_id].new_token_ids == output.new_token_ids, request_id
+
+
+def test_tree_drafts_move_accepted_branches_that_are_not_the_first(engines):
+    """The n-gram trees' accepted path is often a later sibling: its KV must be moved, and output stays exact."""
+    batch = prompts(6, seed=4)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * len(batch)
+    engine = engines["ngram"]
+    moves = []
+    original = engine.runner.move_kv
+    engine.runner.move_kv = lambda kv_moves: (moves.extend(kv_moves), original(kv_moves))
+    try:
+        outputs = run_to_completion(engine, batch, params)
+    finally:
+        engine.runner.move_kv = original
+    reference = run_to_completion(engines["none"], batch, params)
+    assert moves, "some accepted branch must have been a later sibling for this test to mean something"
+    for i, prompt in enumerate(batch):
+        ref, out = reference[f"req-{i}"].new_token_ids, outputs[f"req-{i}"].new_token_ids
+        assert divergence_verdict(engines["none"].runner.model, prompt, ref, out) != "mismatch", i
 
 
 def test_requests_in_flight_all_progress_and_match_alone(engines):
@@ -84,7 +110,7 @@ def test_requests_in_flight_all_progress_and_match_alone(engines):
 def test_bad_requests_get_an_error_output_and_the_engine_goes_on(engines, prompt, max_tokens, message):
     engine = engines["none"]
     error = engine.add_request(EngineRequest("bad", prompt, SamplingParams(max_tokens=max_tokens)))
-    assert error.finish_reason == "error" and message in error.error
+    assert error.finish_reason == "error" and error.error.kind == "invalid_request" and message in error.error.message
     ok = run_to_completion(engine, [[1, 5, 6]], [SamplingParams(temperature=0.0, max_tokens=3)])
     assert len(ok["req-0"].new_token_ids) >= 1
 
@@ -97,7 +123,7 @@ def test_abort_frees_the_request(engines):
     assert "gone" in blocks.block_tables and blocks.num_free_blocks < blocks.num_blocks
     assert engine.abort("gone").finish_reason == "abort"
     assert "gone" not in blocks.block_tables and blocks.usage == 0 and not engine.has_work
-    engine.sessions.reclaim(blocks.num_blocks)  # what the aborted turn left for its session's next turn
+    engine.scheduler.sessions.reclaim(blocks.num_blocks)  # what the aborted turn left for its session's next turn
     assert blocks.num_free_blocks == blocks.num_blocks
     assert engine.abort("gone") is None
 

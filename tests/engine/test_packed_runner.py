@@ -1,11 +1,13 @@
-"""A packed, ragged forward over the paged pool gives each request the logits of its own forward."""
+"""A packed, ragged forward over the paged pool gives each sequence the logits of its own plain forward:
+chains through prefill, drafts and rollback; trees, whose every node sees its own path only; look-ahead rows;
+and the captures drafters ask for (hidden states, attention rows)."""
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
-from transformers import DynamicCache
-
-from engine.packed_runner import ForwardItem, PackedModelRunner
+from drafters.base import CaptureSpec
+from engine.forward import ForwardBatch, ForwardItem, chain_item, slots_of, tree_item
+from engine.packed_runner import PackedModelRunner
 from engine.paged_attention import PagedKVPool
 from scheduler.kv_blocks import KVBlockManager
 
@@ -14,12 +16,18 @@ BLOCK_SIZE = 4
 
 @pytest.fixture(scope="module")
 def models(tiny_model_dir):
-    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa").eval()
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").eval()
     packed = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     config = packed.config
     head_dim = config.hidden_size // config.num_attention_heads
     pool = PagedKVPool(config.num_hidden_layers, 64 * BLOCK_SIZE, config.num_key_value_heads, head_dim, torch.float32, torch.device("cpu"))
-    return reference, PackedModelRunner(packed, torch.device("cpu"), pool)
+    return reference, PackedModelRunner(packed, torch.device("cpu"), pool, BLOCK_SIZE)
+
+
+def plain_logits(model, token_ids):
+    """[len(token_ids), vocab] logits of one plain forward."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([token_ids])).logits[0]
 
 
 def reference_logits(model, cache, token_ids, num_logits):
@@ -32,16 +40,6 @@ def reference_logits(model, cache, token_ids, num_logits):
 def test_packed_steps_match_per_request_forwards_through_prefill_drafts_and_rollback(models, read_in_place, monkeypatch):
     reference, runner = models
     monkeypatch.setattr(runner, "in_place_min_context", 1 if read_in_place else 10**9)
-    attended = {"in place": 0, "gathered": 0}
-    split = runner._in_place_spans
-
-    def counting_split(*args):
-        spans, gathered = split(*args)
-        attended["in place"] += len(spans)
-        attended["gathered"] += len(gathered)
-        return spans, gathered
-
-    monkeypatch.setattr(runner, "_in_place_spans", counting_split)
     blocks = KVBlockManager(num_blocks=21, block_size=BLOCK_SIZE)  # exactly enough: some tables end up fragmented
     long_prompt = [1] + [(7 * i) % 40 + 3 for i in range(39)]  # prefilled in two chunks, the first without logits
     prompts = {"a": [1, 5, 9, 13, 7, 3, 22], "b": [1, 30, 31], "c": [1] + list(range(10, 28)), "d": long_prompt[:25]}
@@ -51,9 +49,9 @@ def test_packed_steps_match_per_request_forwards_through_prefill_drafts_and_roll
     def step(new_tokens, num_logits):
         items = []
         for name, ids in new_tokens.items():
-            blocks.grow(name, computed[name] + len(ids))
-            items.append(ForwardItem(name, ids, computed[name], num_logits[name]))
-        got = runner.execute(items, blocks)
+            table = blocks.grow(name, computed[name] + len(ids))
+            items.append(chain_item(ids, computed[name], table, BLOCK_SIZE, num_logits[name]))
+        got = runner.execute(ForwardBatch(items)).logits
         for (name, ids), logits in zip(new_tokens.items(), got):
             if caches[name].get_seq_length() > computed[name]:
                 caches[name].crop(computed[name] - caches[name].get_seq_length())
@@ -70,39 +68,140 @@ def test_packed_steps_match_per_request_forwards_through_prefill_drafts_and_roll
         computed[name] -= keep
         blocks.shrink(name, computed[name])
     step({"a": [40, 41], "b": [7, 8, 9, 10, 11], "c": [3]}, {"a": 2, "b": 5, "c": 1})
-    assert attended["gathered"] > 0
-    assert (attended["in place"] > 0) == read_in_place
+
+
+# A tree after a cached context: the last real token (row 0), then two rows 9-10-11 and 20-21, and a third
+# branch 9-30 that shares the first row's first token.
+TREE_TOKENS = [8, 9, 10, 11, 20, 21, 30]
+TREE_PARENTS = [-1, 0, 1, 2, 0, 4, 1]
+
+
+def tree_paths(prefix):
+    """Per row of the tree, the plain sequence its logits must match: the prefix plus the row's path."""
+    paths = []
+    for row in range(len(TREE_TOKENS)):
+        path, node = [], row
+        while node != -1:
+            path.append(TREE_TOKENS[node])
+            node = TREE_PARENTS[node]
+        paths.append(prefix + path[::-1])
+    return paths
+
+
+@pytest.mark.parametrize("read_in_place", [True, False], ids=["contiguous-read-in-place", "all-gathered"])
+def test_every_tree_node_gets_the_logits_of_its_own_path_beside_a_chain_in_the_same_step(models, read_in_place, monkeypatch):
+    reference, runner = models
+    monkeypatch.setattr(runner, "in_place_min_context", 1 if read_in_place else 10**9)
+    blocks = KVBlockManager(num_blocks=32, block_size=BLOCK_SIZE)
+    context, other = [1, 5, 9, 13, 7, 3, 22, 6, 4], [1, 30, 31, 32]
+    runner.execute(ForwardBatch([
+        chain_item(context, 0, blocks.grow("t", len(context)), BLOCK_SIZE),
+        chain_item(other, 0, blocks.grow("c", len(other)), BLOCK_SIZE),
+    ]))
+    tree = tree_item(TREE_TOKENS, TREE_PARENTS, len(context), blocks.grow("t", len(context) + len(TREE_TOKENS)), BLOCK_SIZE,
+                     logit_rows=list(range(len(TREE_TOKENS))))
+    chain = chain_item([33, 34], len(other), blocks.grow("c", len(other) + 2), BLOCK_SIZE, num_logits=2)
+    assert tree.positions == [9, 10, 11, 12, 10, 11, 11] and not tree.is_chain
+    tree_logits, chain_logits = runner.execute(ForwardBatch([tree, chain])).logits
+    for row, path in enumerate(tree_paths(context)):
+        torch.testing.assert_close(tree_logits[row], plain_logits(reference, path)[-1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(chain_logits, plain_logits(reference, other + [33, 34])[-2:], rtol=1e-4, atol=1e-4)
+
+
+def test_after_the_accepted_branch_moves_into_place_the_next_step_sees_exactly_that_path(models):
+    reference, runner = models
+    blocks = KVBlockManager(num_blocks=32, block_size=BLOCK_SIZE)
+    context = [1, 5, 9, 13, 7, 3, 22, 6, 4]
+    runner.execute(ForwardBatch([chain_item(context, 0, blocks.grow("t", len(context)), BLOCK_SIZE)]))
+    table = blocks.grow("t", len(context) + len(TREE_TOKENS))
+    runner.execute(ForwardBatch([tree_item(TREE_TOKENS, TREE_PARENTS, len(context), table, BLOCK_SIZE, [0])]))
+    # the target took the second row: 8 20 21 (rows 0, 4, 5); 20 and 21 belong right after 8
+    slot = slots_of(table, BLOCK_SIZE, 0, len(context) + len(TREE_TOKENS))
+    base = len(context)
+    runner.move_kv([(slot[base + 4], slot[base + 1]), (slot[base + 5], slot[base + 2])])
+    num_cached = base + 3
+    blocks.shrink("t", num_cached)
+    table = blocks.grow("t", num_cached + 2)
+    logits = runner.execute(ForwardBatch([chain_item([40, 41], num_cached, table, BLOCK_SIZE, 2)])).logits[0]
+    torch.testing.assert_close(logits, plain_logits(reference, context + [8, 20, 21, 40, 41])[-2:], rtol=1e-4, atol=1e-4)
+
+
+def test_look_ahead_rows_return_their_logits_to_the_drafter_and_change_nothing_else(models):
+    """A look-ahead branch (SPECTRA's candidate pool) hangs off the cached context beside the real tokens:
+    its logits come back as drafter rows, and the verifier's rows are those of the chain alone."""
+    reference, runner = models
+    blocks = KVBlockManager(num_blocks=32, block_size=BLOCK_SIZE)
+    context = [1, 5, 9, 13, 7, 3]
+    runner.execute(ForwardBatch([chain_item(context, 0, blocks.grow("s", len(context)), BLOCK_SIZE)]))
+    # rows 0-1: the real chain 22 6; rows 2-3: a look-ahead guess 17 18 continuing the cached context
+    tokens, parents = [22, 6, 17, 18], [-1, 0, -1, 2]
+    item = tree_item(tokens, parents, len(context), blocks.grow("s", len(context) + 4), BLOCK_SIZE, logit_rows=[0, 1])
+    item.drafter_rows = [2, 3]
+    out = runner.execute(ForwardBatch([item]))
+    torch.testing.assert_close(out.logits[0], plain_logits(reference, context + [22, 6])[-2:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.drafter_logits[0], plain_logits(reference, context + [17, 18])[-2:], rtol=1e-4, atol=1e-4)
+
+
+def test_captures_return_the_hidden_states_and_attention_rows_of_a_plain_forward(models):
+    reference, runner = models
+    blocks = KVBlockManager(num_blocks=32, block_size=BLOCK_SIZE)
+    context = [1, 5, 9, 13, 7, 3, 22, 6, 4]
+    capture = CaptureSpec(hidden_layer=1, attention_heads=((0, 1), (1, 3), (1, 0)))
+    first = chain_item(context[:6], 0, blocks.grow("s", 6), BLOCK_SIZE)
+    first.hidden_rows, first.attention_rows = list(range(6)), [5]
+    second = tree_item(context[6:] + [11], [-1, 0, 1, 1], 6, blocks.grow("s", 10), BLOCK_SIZE, [2, 3])
+    second.hidden_rows, second.attention_rows = [0, 1, 2, 3], [2, 3]
+    out_first = runner.execute(ForwardBatch([first], capture))
+    out_second = runner.execute(ForwardBatch([second], capture))
+    with torch.inference_mode():
+        plain = reference(input_ids=torch.tensor([context]), output_hidden_states=True, output_attentions=True)
+        branch = reference(input_ids=torch.tensor([context[:8] + [11]]), output_hidden_states=True, output_attentions=True)
+    hidden = plain.hidden_states[1][0]  # [len, hidden] after the first decoder layer
+    torch.testing.assert_close(out_first.hidden[0], hidden[:6], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out_second.hidden[0][:3], hidden[6:9], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out_second.hidden[0][3], branch.hidden_states[1][0, 8], rtol=1e-4, atol=1e-5)
+
+    def attention(result, position):  # [heads in capture order, keys] of a plain forward at one query position
+        return torch.stack([result.attentions[layer][0, head, position] for layer, head in capture.attention_heads])
+
+    torch.testing.assert_close(out_first.attention[0][0], attention(plain, 5)[:, :6], rtol=1e-4, atol=1e-5)
+    own = out_second.attention[0][0]  # row 2 (token 4), over all 10 keys in KV order; row 3, its sibling, is hidden
+    torch.testing.assert_close(own[:, :9], attention(plain, 8), rtol=1e-4, atol=1e-5)
+    assert (own[:, 9] == 0).all()
+    sibling = out_second.attention[0][1]  # keys in KV order: the cached 6, then rows 0, 1, 2 (not its), 3 (itself)
+    expected = attention(branch, 8)
+    torch.testing.assert_close(sibling[:, :8], expected[:, :8], rtol=1e-4, atol=1e-5)
+    assert (sibling[:, 8] == 0).all()  # row 2, its sibling, is invisible to it
+    torch.testing.assert_close(sibling[:, 9], expected[:, 8], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash-attn backend needs a CUDA device")
-def test_flash_backend_matches_sdpa_on_cuda(tiny_model_dir):
+def test_flash_backend_matches_sdpa_on_cuda_with_a_tree_in_the_batch(tiny_model_dir):
     pytest.importorskip("flash_attn", reason="the flash-attn backend needs the flash-attn package")
     from engine.paged_attention import FLASH_BLOCK_SIZE
 
     device = torch.device("cuda")
-    runners, blocks = {}, {}
+    logits = {}
     for backend in ("sdpa", "flash"):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).to(device).eval()
         config = model.config
         head_dim = config.hidden_size // config.num_attention_heads
         pool = PagedKVPool(config.num_hidden_layers, 8 * FLASH_BLOCK_SIZE, config.num_key_value_heads, head_dim, torch.bfloat16, device)
-        runners[backend] = PackedModelRunner(model, device, pool, backend)
-        blocks[backend] = KVBlockManager(num_blocks=8, block_size=FLASH_BLOCK_SIZE)
-    prompts = {"a": [1] + list(range(3, 40)), "b": [1, 30, 31]}
-    steps = [
-        ({"a": prompts["a"], "b": prompts["b"]}, {"a": 1, "b": 1}),
-        ({"a": [4, 8, 12], "b": [6]}, {"a": 3, "b": 1}),
-    ]
-    logits = {}
-    for backend, runner in runners.items():
-        computed, logits[backend] = {"a": 0, "b": 0}, []
-        for new_tokens, num_logits in steps:
-            items = []
-            for name, ids in new_tokens.items():
-                blocks[backend].grow(name, computed[name] + len(ids))
-                items.append(ForwardItem(name, ids, computed[name], num_logits[name]))
-                computed[name] += len(ids)
-            logits[backend] += runner.execute(items, blocks[backend])
+        runner = PackedModelRunner(model, device, pool, FLASH_BLOCK_SIZE, backend)
+        blocks = KVBlockManager(num_blocks=8, block_size=FLASH_BLOCK_SIZE)
+        a, b = [1] + list(range(3, 40)), [1, 30, 31]
+        logits[backend] = runner.execute(ForwardBatch([
+            chain_item(a, 0, blocks.grow("a", len(a)), FLASH_BLOCK_SIZE), chain_item(b, 0, blocks.grow("b", len(b)), FLASH_BLOCK_SIZE),
+        ])).logits
+        logits[backend] += runner.execute(ForwardBatch([
+            chain_item([4, 8, 12], len(a), blocks.grow("a", len(a) + 3), FLASH_BLOCK_SIZE, 3),
+            tree_item(TREE_TOKENS, TREE_PARENTS, len(b), blocks.grow("b", len(b) + 7), FLASH_BLOCK_SIZE, list(range(7))),
+        ])).logits
     for sdpa, flash in zip(logits["sdpa"], logits["flash"]):
         torch.testing.assert_close(flash, sdpa, rtol=2e-2, atol=2e-2)  # bfloat16 kernels sum in different orders
+
+
+def test_a_forward_item_says_everything_as_plain_data():
+    item = ForwardItem([7], [0], [3], [0], 0, logit_rows=[0])
+    assert item.context_len == 1 and item.is_chain and item.num_tokens == 1

@@ -17,13 +17,13 @@ def test_profile_keeps_each_counts_fastest_round_and_frees_its_blocks(tiny_model
     head_dim = config.hidden_size // config.num_attention_heads
     pool = PagedKVPool(config.num_hidden_layers, NUM_BLOCKS * BLOCK_SIZE, config.num_key_value_heads, head_dim,
                        torch.float32, torch.device("cpu"))
-    runner = PackedModelRunner(model, torch.device("cpu"), pool)
+    runner = PackedModelRunner(model, torch.device("cpu"), pool, BLOCK_SIZE)
     blocks = KVBlockManager(NUM_BLOCKS, BLOCK_SIZE)
     measured: dict[int, list[float]] = {}
     forward_seconds = profiler._forward_seconds
 
-    def recording(runner, blocks, context, context_len, num_tokens):
-        measured.setdefault(num_tokens, []).append(forward_seconds(runner, blocks, context, context_len, num_tokens))
+    def recording(runner, table, context, context_len, num_tokens):
+        measured.setdefault(num_tokens, []).append(forward_seconds(runner, table, context, context_len, num_tokens))
         return measured[num_tokens][-1]
 
     monkeypatch.setattr(profiler, "_forward_seconds", recording)

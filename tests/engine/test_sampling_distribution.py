@@ -1,10 +1,11 @@
-"""Sampling with speculation must draw from the same distribution as plain sampling (chi-square)."""
+"""Sampling with speculation must draw from the same distribution as plain sampling (chi-square), with one
+candidate per position and with several (a tree, SPECTRA's multi-candidate rule)."""
 from collections import Counter
 
 import pytest
 from scipy.stats import chi2_contingency
 
-from drafters.base import Draft
+from drafters.base import Draft, DrafterBase
 from drafters.config import SpecConfig
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
@@ -16,13 +17,14 @@ NUM_SAMPLES = 1500
 PROMPT = [1, 7, 8, 9, 7, 8]
 
 
-class FixedDrafter:
-    """Always drafts the same tokens: a point-mass drafter whose drafts are often rejected."""
+class FixedDrafter(DrafterBase):
+    """Always drafts the same tree: a point-mass drafter whose drafts are often rejected."""
 
     name = "fixed"
 
-    def __init__(self, token_ids):
+    def __init__(self, token_ids, parents=None):
         self.token_ids = token_ids
+        self.parents = parents
 
     def begin(self, req, state=None):
         pass
@@ -31,7 +33,7 @@ class FixedDrafter:
         pass
 
     def propose(self, reqs):
-        return [Draft(list(self.token_ids), self.name) for _ in reqs]
+        return [Draft(list(self.token_ids), self.name, self.parents) for _ in reqs]
 
     def finish(self, req):
         return None
@@ -45,11 +47,12 @@ def sample_pairs(engine, params):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
     SamplingParams(temperature=0.7, top_k=6, top_p=0.9, max_tokens=3, ignore_eos=True),
 ])
-def test_speculative_sampling_matches_plain_sampling(tiny_model_dir, params):
+def test_speculative_sampling_matches_plain_sampling(tiny_model_dir, params, tree):
     config = EngineConfig(
         model=ModelConfig(model=tiny_model_dir, device="cpu"),
         scheduler=SchedulerConfig(
@@ -60,7 +63,12 @@ def test_speculative_sampling_matches_plain_sampling(tiny_model_dir, params):
     plain_engine, spec_engine = Engine(config), Engine(config)
     plain, _ = sample_pairs(plain_engine, params)
     (second, third), _ = plain.most_common(1)[0]
-    spec_engine.drafter = FixedDrafter([second, third])  # accepted often, rejected often: both paths run
+    if tree:  # the likeliest pair, and siblings at both depths: the runner-up second tokens, and another third
+        (runner_up, _), _ = next((pair, n) for pair, n in plain.most_common() if pair[0] != second)
+        drafter = FixedDrafter([runner_up, second, third, (third + 1) % 40 + 3], [-1, -1, 1, 1])
+    else:
+        drafter = FixedDrafter([second, third])  # accepted often, rejected often: both paths run
+    spec_engine.speculation.drafter = drafter
     speculative, num_accepted = sample_pairs(spec_engine, params)
     assert 20 <= num_accepted < NUM_SAMPLES  # both the accept and the reject path ran
     keys = sorted(set(plain) | set(speculative))

@@ -3,7 +3,8 @@ import random
 
 from drafters.base import Draft
 from scheduler.latency import LatencyModel
-from tests.scheduler.test_scheduler import add, make_scheduler
+from scheduler.records import Verification
+from tests.scheduler.test_scheduler import add, make_scheduler, step
 
 
 def ids(out):
@@ -13,25 +14,25 @@ def ids(out):
 def test_long_prompt_is_prefilled_in_chunks_beside_a_decoding_request():
     scheduler = make_scheduler(budget=8)
     a = add(scheduler, "a", prompt=(5, 6, 7), max_tokens=20, ignore_eos=True)
-    scheduler.update(scheduler.schedule(), [[8]])
+    step(scheduler, scheduler.schedule(), [[8]])
     b = add(scheduler, "b", prompt=tuple(range(3, 23)), max_tokens=5)  # 20 tokens
     out = scheduler.schedule()
     assert ids(out) == ["a", "b"] and out.num_scheduled_tokens == 8
-    assert out.scheduled[1].input_token_ids == list(range(3, 10)) and out.scheduled[1].num_logits == 0
-    outputs, stats = scheduler.update(out, [[9], []])
+    assert out.scheduled[1].token_ids == list(range(3, 10)) and out.scheduled[1].num_logits == 0
+    outputs, stats = step(scheduler, out, [[9], []])
     assert [o.request_id for o in outputs] == ["a"] and b.num_computed_tokens == 7 and stats.num_scheduled_tokens == 8
-    scheduler.update(scheduler.schedule(), [[10], []])
+    step(scheduler, scheduler.schedule(), [[10], []])
     out = scheduler.schedule()
     last_chunk = out.scheduled[1]
-    assert last_chunk.input_token_ids == list(range(17, 23)) and last_chunk.num_logits == 1
-    outputs, _ = scheduler.update(out, [[11], [30]])
+    assert last_chunk.token_ids == list(range(17, 23)) and last_chunk.num_logits == 1
+    outputs, _ = step(scheduler, out, [[11], [30]])
     assert b.all_token_ids[-1] == 30 and b.num_computed_tokens == 20 and a.num_output_tokens == 4
 
 
 def test_drafts_are_cut_to_the_token_budget():
     scheduler = make_scheduler(budget=4)
     req = add(scheduler, max_tokens=50)
-    scheduler.update(scheduler.schedule(), [[8]])
+    step(scheduler, scheduler.schedule(), [[8]])
     scheduler.set_drafts([req], [Draft(list(range(20, 30)), "copyspec")])
     out = scheduler.schedule()
     assert out.scheduled[0].num_draft_tokens == 3 and out.num_scheduled_tokens == 4
@@ -41,23 +42,43 @@ def test_full_pool_preempts_the_youngest_which_later_resumes_from_its_tokens():
     scheduler = make_scheduler(num_blocks=4)  # 16 positions, blocks of 4
     a = add(scheduler, "a", prompt=(5, 6, 7, 3, 4, 9), max_tokens=8, ignore_eos=True)
     b = add(scheduler, "b", prompt=(5, 6, 7, 3, 4, 10), max_tokens=8, ignore_eos=True)
-    scheduler.update(scheduler.schedule(), [[11], [12]])
-    scheduler.update(scheduler.schedule(), [[13], [14]])
-    scheduler.update(scheduler.schedule(), [[15], [16]])  # each holds 8 positions: the pool is full
+    step(scheduler, scheduler.schedule(), [[11], [12]])
+    step(scheduler, scheduler.schedule(), [[13], [14]])
+    step(scheduler, scheduler.schedule(), [[15], [16]])  # each holds 8 positions: the pool is full
     out = scheduler.schedule()  # a needs a third block: b gives its blocks back
-    assert ids(out) == ["a"] and out.num_preemptions == 1
+    assert ids(out) == ["a"] and len(out.preempted) == 1
     assert b.num_computed_tokens == 0 and list(scheduler.waiting) == [b] and "b" not in scheduler.blocks.block_tables
     assert b.all_token_ids == [5, 6, 7, 3, 4, 10, 12, 14, 16]  # its tokens stay; its KV is recomputed
     late = add(scheduler, "late", prompt=(5, 6), max_tokens=2)
     while True:
-        scheduler.update(out, [[15]])
+        step(scheduler, out, [[15]])
         if a.is_finished:
             break
         out = scheduler.schedule()
         assert ids(out) == ["a"]  # first come, first served: "late" would fit, but b is ahead of it
     assert list(scheduler.waiting) == [b, late]
     out = scheduler.schedule()
-    assert ids(out) == ["b", "late"] and out.scheduled[0].input_token_ids == b.all_token_ids
+    assert ids(out) == ["b", "late"] and out.scheduled[0].token_ids == b.all_token_ids
+
+
+def random_draft(rng) -> Draft:
+    """A chain or a tree of up to 8 tokens, each node's parent drawn from the nodes before it."""
+    n = rng.randrange(1, 9)
+    parents = [i - 1 for i in range(n)] if rng.random() < 0.5 else [rng.randrange(-1, i) for i in range(n)]
+    return Draft([rng.randrange(3, 40) for _ in range(n)], "copyspec", parents)
+
+
+def random_verification(rng, item) -> Verification:
+    """A random walk down the verified subtree: some path accepted, then one more token."""
+    node, path = -1, []
+    while True:
+        kids = [j for j, parent in enumerate(item.draft_parents) if parent == node]
+        if not kids or rng.random() < 0.3:
+            break
+        node = rng.choice(kids)
+        path.append(node)
+    drafts = item.draft_token_ids
+    return Verification([drafts[j] for j in path] + [rng.randrange(3, 40)], path)
 
 
 def simulate(seed, num_requests=30, num_blocks=24, budget=24, max_num_seqs=6):
@@ -81,19 +102,14 @@ def simulate(seed, num_requests=30, num_blocks=24, budget=24, max_num_seqs=6):
                 admitted_order.append(req.request_id)
         assert out.num_scheduled_tokens <= budget
         for item in out.scheduled:  # every scheduled position has a block
-            end = item.req.num_computed_tokens + len(item.input_token_ids)
+            end = item.req.num_computed_tokens + len(item.token_ids)
             assert len(scheduler.blocks.block_tables[item.req.request_id]) * scheduler.blocks.block_size >= end
         for req in decoding_before:  # every decoding request advances or is preempted
             assert req in [item.req for item in out.scheduled] or req in scheduler.waiting
-        sampled = []
-        for item in out.scheduled:
-            drafts = item.draft_token_ids
-            num_accepted = rng.randrange(len(drafts) + 1)
-            sampled.append(drafts[:num_accepted] + [rng.randrange(3, 40)] if item.num_logits else [])
-        scheduler.update(out, sampled)
+        scheduler.update(out, [random_verification(rng, item) if item.num_logits else Verification([]) for item in out.scheduled])
         for req in scheduler.running:
             if req.num_uncomputed_tokens == 1 and rng.random() < 0.7:
-                scheduler.set_drafts([req], [Draft([rng.randrange(3, 40) for _ in range(rng.randrange(1, 8))], "copyspec")])
+                scheduler.set_drafts([req], [random_draft(rng)])
         if rng.random() < 0.05 and scheduler.running:
             scheduler.abort(rng.choice(scheduler.running).request_id)
     return scheduler, requests, admitted_order
@@ -114,7 +130,7 @@ def test_measured_step_overhead_makes_drafts_cheaper_to_verify():
     scheduler = make_scheduler(planner=True)
     scheduler.latency = LatencyModel({1: 1.0, 2: 1.6, 4: 2.8})  # a draft costs 0.6 s on a 1 s step: not worth 0.5 tokens
     req = add(scheduler, max_tokens=100)
-    scheduler.update(scheduler.schedule(), [[8]])
+    step(scheduler, scheduler.schedule(), [[8]])
     scheduler.set_drafts([req], [Draft([9, 10, 11], "copyspec")])
     out = scheduler.schedule()
     assert out.scheduled[0].num_draft_tokens == 0 and out.predicted_seconds == 1.0

@@ -5,6 +5,7 @@ from engine.wire import SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.latency import LatencyModel
+from scheduler.records import Verification
 from scheduler.request import Request
 from scheduler.scheduler import PROBE_INTERVAL_STEPS, QueueFullError, Scheduler
 
@@ -20,6 +21,12 @@ def make_scheduler(planner=False, max_waiting=8, max_model_len=64, num_blocks=64
     return Scheduler(config, max_model_len, [EOS], KVBlockManager(num_blocks, BLOCK_SIZE), latency)
 
 
+def step(scheduler, out, sampled):
+    """Update after a step whose chain drafts were verified: each list is the accepted drafts, then one more token."""
+    update = scheduler.update(out, [Verification(tokens, list(range(max(len(tokens) - 1, 0)))) for tokens in sampled])
+    return update.updates, update.stats
+
+
 def add(scheduler, request_id="r", prompt=(5, 6, 7), max_tokens=10, ignore_eos=False):
     req = Request(request_id, list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos))
     scheduler.add_request(req)
@@ -30,14 +37,14 @@ def test_prefill_then_decode_with_drafts_keeps_computed_tokens_in_step():
     scheduler = make_scheduler()
     req = add(scheduler)
     out = scheduler.schedule()
-    assert out.scheduled[0].input_token_ids == [5, 6, 7] and out.scheduled[0].num_draft_tokens == 0
-    scheduler.update(out, [[8]])
+    assert out.scheduled[0].token_ids == [5, 6, 7] and out.scheduled[0].num_draft_tokens == 0
+    step(scheduler, out, [[8]])
     assert req.all_token_ids == [5, 6, 7, 8] and req.num_computed_tokens == 3
     scheduler.set_drafts([req], [Draft([9, 10, 11], "copyspec")])
     out = scheduler.schedule()
-    assert out.scheduled[0].input_token_ids == [8, 9, 10, 11]
+    assert out.scheduled[0].token_ids == [8, 9, 10, 11]
     assert out.scheduled[0].draft_token_ids == [9, 10, 11]
-    outputs, stats = scheduler.update(out, [[9, 12]])  # first draft accepted, then the bonus token
+    outputs, stats = step(scheduler, out, [[9, 12]])  # first draft accepted, then the bonus token
     assert outputs[0].new_token_ids == [9, 12]
     assert req.num_computed_tokens == 5  # 8 and 9 are in the cache; 12 is not yet
     assert (req.spec.num_drafts, req.spec.num_draft_tokens, req.spec.num_accepted_tokens) == (1, 3, 1)
@@ -53,19 +60,19 @@ def test_planner_reports_expected_tokens_and_predicted_seconds():
     req = add(scheduler)
     out = scheduler.schedule()
     assert (out.expected_tokens, out.predicted_seconds) == (1.0, 1.0)  # prefill: one token, flat latency
-    scheduler.update(out, [[8]])
+    step(scheduler, out, [[8]])
     scheduler.set_drafts([req], [Draft([9, 10], "copyspec")])
     out = scheduler.schedule()
     assert out.scheduled[0].num_draft_tokens == 2  # flat latency: drafts are free
     assert out.expected_tokens == pytest.approx(1 + 0.5 + 0.25)  # prior acceptance 0.5 per position
-    _, stats = scheduler.update(out, [[9, 10, 11]])
+    _, stats = step(scheduler, out, [[9, 10, 11]])
     assert (stats.planned_tokens, stats.planned_seconds) == (pytest.approx(1.75), 1.0)
 
 
 def test_drafts_are_cut_to_the_tokens_left():
     scheduler = make_scheduler()
     req = add(scheduler, max_tokens=3)
-    scheduler.update(scheduler.schedule(), [[8]])
+    step(scheduler, scheduler.schedule(), [[8]])
     scheduler.set_drafts([req], [Draft([1, 1, 1, 1], "copyspec")])
     assert scheduler.schedule().scheduled[0].num_draft_tokens == 1  # 2 tokens left: 1 draft + 1 bonus
 
@@ -73,9 +80,9 @@ def test_drafts_are_cut_to_the_tokens_left():
 def test_stops_at_eos_and_drops_tokens_after_it():
     scheduler = make_scheduler()
     req = add(scheduler)
-    scheduler.update(scheduler.schedule(), [[8]])
+    step(scheduler, scheduler.schedule(), [[8]])
     scheduler.set_drafts([req], [Draft([EOS, 9], "copyspec")])
-    outputs, _ = scheduler.update(scheduler.schedule(), [[EOS, 9, 4]])
+    outputs, _ = step(scheduler, scheduler.schedule(), [[EOS, 9, 4]])
     assert outputs[0].new_token_ids == [EOS]
     assert outputs[0].finish_reason == "stop" and outputs[0].spec is not None
     assert not scheduler.has_work
@@ -84,15 +91,15 @@ def test_stops_at_eos_and_drops_tokens_after_it():
 def test_ignore_eos_and_max_tokens_give_length():
     scheduler = make_scheduler()
     add(scheduler, max_tokens=2, ignore_eos=True)
-    scheduler.update(scheduler.schedule(), [[EOS]])
-    outputs, _ = scheduler.update(scheduler.schedule(), [[EOS]])
+    step(scheduler, scheduler.schedule(), [[EOS]])
+    outputs, _ = step(scheduler, scheduler.schedule(), [[EOS]])
     assert outputs[0].finish_reason == "length"
 
 
 def test_context_limit_gives_length():
     scheduler = make_scheduler(max_model_len=4)
     add(scheduler, max_tokens=100)
-    outputs, _ = scheduler.update(scheduler.schedule(), [[8]])
+    outputs, _ = step(scheduler, scheduler.schedule(), [[8]])
     assert outputs[0].finish_reason == "length"
 
 
@@ -112,18 +119,18 @@ def test_running_is_bounded_and_waiting_requests_join_when_one_finishes():
         add(scheduler, name, max_tokens=1)
     out = scheduler.schedule()
     assert [item.req.request_id for item in out.scheduled] == ["a", "b"]
-    scheduler.update(out, [[8], [8]])
+    step(scheduler, out, [[8], [8]])
     assert [item.req.request_id for item in scheduler.schedule().scheduled] == ["c"]
 
 
 def test_planner_drops_drafts_that_will_fail():
     scheduler = make_scheduler(planner=True)
     req = add(scheduler, max_tokens=100)
-    scheduler.update(scheduler.schedule(), [[8]])
+    step(scheduler, scheduler.schedule(), [[8]])
     for _ in range(30):  # every draft is rejected at its first token
         scheduler.set_drafts([req], [Draft([1, 1, 1], "copyspec")])
         out = scheduler.schedule()
-        scheduler.update(out, [[3]])
+        step(scheduler, out, [[3]])
     scheduler.set_drafts([req], [Draft([1, 1, 1], "copyspec")])
     latency = LatencyModel({1: 1.0, 2: 1.5, 4: 2.5})
     scheduler.latency = latency
@@ -134,18 +141,18 @@ def test_planner_probes_a_drafter_it_stopped_verifying_and_resumes_when_drafts_t
     scheduler = make_scheduler(planner=True, max_model_len=1024, num_blocks=256)
     scheduler.latency = LatencyModel({1: 1.0, 2: 1.3, 4: 1.9})  # a draft is worth verifying above 30% acceptance
     req = add(scheduler, max_tokens=1000, ignore_eos=True)
-    scheduler.update(scheduler.schedule(), [[8]])
+    step(scheduler, scheduler.schedule(), [[8]])
     for _ in range(20):  # drafts that always fail: the planner soon stops verifying them
         scheduler.set_drafts([req], [Draft([1, 1, 1], "copyspec")])
         out = scheduler.schedule()
-        scheduler.update(out, [[3]])
+        step(scheduler, out, [[3]])
     verified = []
     for _ in range(4 * PROBE_INTERVAL_STEPS):  # now every draft is right
         scheduler.set_drafts([req], [Draft([9, 10, 11], "copyspec")])
         out = scheduler.schedule()
         num_drafts = out.scheduled[0].num_draft_tokens
         verified.append(num_drafts)
-        scheduler.update(out, [[9, 10, 11, 12][:num_drafts + 1]])
+        step(scheduler, out, [[9, 10, 11, 12][:num_drafts + 1]])
     assert verified[:3] == [0, 0, 0], "the failed drafts had shut verification off"
     assert max(verified[:PROBE_INTERVAL_STEPS]) > 0, "a probe verifies a draft within the probe interval"
     assert all(n > 0 for n in verified[-PROBE_INTERVAL_STEPS:]), "the planner itself verifies again once the probes succeed"
@@ -159,8 +166,54 @@ def test_prefill_steps_do_not_teach_the_step_overhead():
     assert prefill.has_prefill
     scheduler.observe_step_seconds(prefill, 0.5)  # a short-context prefill runs far faster than the profile's point
     assert scheduler.step_overhead_seconds == 0.0
-    scheduler.update(prefill, [[8]])
+    step(scheduler, prefill, [[8]])
     decode = scheduler.schedule()
     assert not decode.has_prefill
     scheduler.observe_step_seconds(decode, 2.0)
     assert scheduler.step_overhead_seconds == pytest.approx(0.1 * 1.0)
+
+
+def test_a_tree_draft_is_verified_whole_and_the_accepted_branch_kv_moves_to_its_final_positions():
+    scheduler = make_scheduler()  # no planner: every node is verified
+    req = add(scheduler)
+    step(scheduler, scheduler.schedule(), [[8]])  # prompt 5 6 7 computed; 8 is the last token
+    scheduler.set_drafts([req], [Draft([9, 10, 20, 21], "ngram", [-1, 0, -1, 2])])  # rows 9-10 and 20-21
+    out = scheduler.schedule()
+    item = out.scheduled[0]
+    assert item.token_ids == [8, 9, 10, 20, 21] and item.draft_parents == [-1, 0, -1, 2]
+    update = scheduler.update(out, [Verification([20, 21, 22], accepted_nodes=[2, 3])])  # the second row was right
+    assert req.all_token_ids[-3:] == [20, 21, 22] and req.num_computed_tokens == 6
+    table = scheduler.blocks.block_tables["r"]
+
+    def slot(kv_index):
+        return table[kv_index // BLOCK_SIZE] * BLOCK_SIZE + kv_index % BLOCK_SIZE
+
+    # 8 sits at KV index 3 and the nodes at 4..7 in list order; 20 and 21 belong at 4 and 5
+    assert update.kv_moves == [(slot(6), slot(4)), (slot(7), slot(5))]
+    stats = update.stats.spec_by_drafter["ngram"]
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (4, 2)
+    assert stats.num_accepted_per_position == [1, 1] and stats.num_accepted_per_rank == [1, 1]
+
+
+def test_a_chain_needs_no_kv_move():
+    scheduler = make_scheduler()
+    req = add(scheduler)
+    step(scheduler, scheduler.schedule(), [[8]])
+    scheduler.set_drafts([req], [Draft([9, 10], "copyspec")])
+    update = scheduler.update(scheduler.schedule(), [Verification([9, 10, 11], [0, 1])])
+    assert update.kv_moves == [] and req.num_computed_tokens == 6
+
+
+def test_the_planner_verifies_the_likely_branch_of_a_tree_and_not_its_unlikely_sibling():
+    scheduler = make_scheduler(planner=True, max_model_len=1024, num_blocks=256)
+    scheduler.latency = LatencyModel({1: 1.0, 2: 1.3, 8: 2.0})
+    req = add(scheduler, max_tokens=1000, ignore_eos=True)
+    step(scheduler, scheduler.schedule(), [[8]])
+    for _ in range(30):  # the first row (9, 10) is always right, the sibling 30 never
+        scheduler.set_drafts([req], [Draft([9, 10, 30], "ngram", [-1, 0, -1])])
+        out = scheduler.schedule()
+        verified = out.scheduled[0].draft_nodes  # draft nodes, listed parents first
+        path = [i for i, node in enumerate(verified) if node in (0, 1)]  # their selection indices on the right row
+        scheduler.update(out, [Verification([9, 10][:len(path)] + [11], path)])
+    scheduler.set_drafts([req], [Draft([9, 10, 30], "ngram", [-1, 0, -1])])
+    assert scheduler.schedule().scheduled[0].draft_nodes == [0, 1]

@@ -56,18 +56,13 @@ def test_series_without_extra_labels_export_zero_before_any_step():
 
 
 def test_kv_and_session_fields_feed_their_series_when_the_engine_sends_them():
-    class FutureStepStats(StepStats):  # an engine that already sends the KV and session fields
-        kv_cache_usage: float = 0.25
-        num_preemptions: int = 1
-        session_hits: int = 2
-        session_misses: int = 1
-        session_reused_tokens: int = 40
-        session_evictions: int = 1
-        num_sessions: int = 3
-
+    stats = StepStats(
+        kv_cache_usage=0.25, num_preemptions=1, session_hits=2, session_misses=1, session_reused_tokens=40,
+        session_evictions=1, num_sessions=3,
+    )
     metrics = ServerMetrics(MODEL)
-    metrics.observe_step(FutureStepStats())
-    metrics.observe_step(FutureStepStats())
+    metrics.observe_step(stats)
+    metrics.observe_step(stats)
     assert sample(metrics, "kv_cache_usage_perc") == 0.25
     assert sample(metrics, "num_preemptions_total") == 2
     assert sample(metrics, "session_cache_hits_total") == 4

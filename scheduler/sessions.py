@@ -1,12 +1,15 @@
-"""Session caches: a conversation's history, drafter state and KV carry over from turn to turn.
+"""Session caches: which KV blocks a conversation's next turn reuses, and which cached sessions give way.
 
 A session keeps, from its last finished turn:
 - the exact token history: the prompt as the engine received it and the output as
   generated (not as a chat template would re-render it);
-- the drafter's state at the end of that turn (the CopySpec index, say), handed to the
-  next turn's drafter instead of being rebuilt from scratch;
 - references to the KV blocks of the history's full blocks, so that the next turn's
   prefill starts after the longest prefix it shares with the history.
+
+The drafter's state at the end of a turn (the CopySpec index, say) is kept by the
+engine, which runs the drafters, under the session's key: `attach` says which key a
+new turn resumes, `end` which key a finished turn updated, and `take_evicted_keys`
+which sessions are gone.
 
 A request names its session (`session_id`) or, in implicit mode, is matched to the
 session that holds its longest cached prefix, found by chaining hashes of full
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from drafters.base import common_prefix_len
-from engine.config import SessionConfig
+from scheduler.config import SessionConfig
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.request import Request
 
@@ -46,7 +49,6 @@ class Session:
     block_hashes: list[int]  # [len(block_ids)] chained hashes of those blocks' tokens
     num_prompt_tokens: int  # prompt length of the last turn
     last_used: float  # seconds, monotonic clock
-    drafter_state: object | None = None  # the drafter's state after the last turn; None while a turn has it
 
 
 @dataclass
@@ -69,6 +71,7 @@ class SessionStore:
         self._turn_keys: dict[str, str] = {}  # request id -> key of the session its turn will update
         self._num_implicit = 0
         self.stats = SessionStats()
+        self._evicted_keys: list[str] = []  # sessions evicted since the last take_evicted_keys
 
     @property
     def num_sessions(self) -> int:
@@ -78,9 +81,15 @@ class SessionStore:
         stats, self.stats = self.stats, SessionStats()
         return stats
 
+    def take_evicted_keys(self) -> list[str]:
+        """Keys of the sessions evicted since the last call: whatever is kept under them elsewhere can go."""
+        keys, self._evicted_keys = self._evicted_keys, []
+        return keys
+
     # --- a turn begins ------------------------------------------------------------------
-    def attach(self, req: Request) -> object | None:
-        """Find the request's session and start its KV after the cached prefix; returns the drafter state to resume.
+    def attach(self, req: Request) -> str | None:
+        """Find the request's session and start its KV after the cached prefix; returns the key of the session whose
+        drafter state the request resumes (None: its drafter starts afresh).
 
         Call before the request is first scheduled.
         """
@@ -98,10 +107,7 @@ class SessionStore:
         self._touch(session)
         continues = session.key == named or (named is None and num_common >= session.num_prompt_tokens)
         self._turn_keys[req.request_id] = named or (session.key if continues else self._new_implicit_key())
-        if not continues:
-            return None
-        state, session.drafter_state = session.drafter_state, None  # one turn at a time resumes it
-        return state
+        return session.key if continues else None
 
     def _share_prefix(self, req: Request, session: Session, num_common: int) -> None:
         """The request reads the session's blocks of their common prefix; its last prompt token is always computed."""
@@ -126,7 +132,7 @@ class SessionStore:
         self._num_implicit += 1
         return f"{IMPLICIT_KEY_PREFIX}{self._num_implicit}"
 
-    # --- a turn ends (scheduler/scheduler.py's TurnCache, then the engine's release) ----
+    # --- a turn ends (scheduler/admission.py's finish, then the engine's release) ----------
     def keep(self, req: Request, block_ids: list[int]) -> None:
         """Make the finishing request's history its session's; hold its full blocks of computed KV."""
         key = self._turn_keys.get(req.request_id)
@@ -150,12 +156,10 @@ class SessionStore:
         while len(self.sessions) > self.config.max_sessions:
             self._evict_least_recent()
 
-    def end(self, request_id: str, drafter_state: object | None) -> None:
-        """The request is gone; its session keeps the drafter state it ended with."""
+    def end(self, request_id: str) -> str | None:
+        """The request is gone; returns the key of the session its turn updated, None if it updated none."""
         key = self._turn_keys.pop(request_id, None)
-        session = self.sessions.get(key) if key else None
-        if session is not None and drafter_state is not None:
-            session.drafter_state = drafter_state
+        return key if key in self.sessions else None
 
     # --- bounds ---------------------------------------------------------------------------
     def reclaim(self, num_blocks: int) -> None:
@@ -174,6 +178,7 @@ class SessionStore:
         _, session = self.sessions.popitem(last=False)
         self._drop_blocks(session)
         self.stats.evictions += 1
+        self._evicted_keys.append(session.key)
 
     def _drop_blocks(self, session: Session) -> None:
         for block_hash in session.block_hashes:

@@ -1,11 +1,11 @@
 """The session store on real block bookkeeping: finding sessions, sharing prefixes, bounds, isolation."""
 import pytest
 
-from engine.config import SessionConfig
-from engine.sessions import SessionStore, chained_block_hashes
 from engine.wire import SamplingParams
+from scheduler.config import SessionConfig
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.request import Request
+from scheduler.sessions import SessionStore, chained_block_hashes
 
 BLOCK = 4
 
@@ -24,8 +24,9 @@ def make_store(mode="implicit", num_blocks=64, ttl_s=600.0, max_sessions=8):
     return SessionStore(SessionConfig(mode, ttl_s, max_sessions), blocks, clock), blocks, clock
 
 
-def finish_turn(store, blocks, request_id, prompt, output, session_id=None, drafter_state="state"):
-    """Run one turn's bookkeeping as the engine does: attach, compute every position, finish."""
+def finish_turn(store, blocks, request_id, prompt, output, session_id=None):
+    """Run one turn's bookkeeping as the engine does: attach, compute every position, finish; returns the request
+    and the key of the session whose drafter state it resumed."""
     req = Request(request_id, list(prompt), SamplingParams(temperature=0.0), session_id)
     resumed = store.attach(req)
     req.all_token_ids += output
@@ -33,7 +34,7 @@ def finish_turn(store, blocks, request_id, prompt, output, session_id=None, draf
     blocks.grow(request_id, req.num_computed_tokens)
     store.keep(req, blocks.block_tables[request_id])
     blocks.free(request_id)
-    store.end(request_id, drafter_state)
+    assert store.end(request_id) == store.sessions[next(reversed(store.sessions))].key  # the session it updated
     return req, resumed
 
 
@@ -46,13 +47,13 @@ TURN1 = list(range(100, 111))  # 11 prompt tokens
 ANSWER1 = list(range(200, 210))  # 10 generated: 20 positions computed, 5 full blocks
 
 
-def test_a_named_session_gives_its_next_turn_the_cached_prefix_and_the_drafter_state():
+def test_a_named_session_gives_its_next_turn_the_cached_prefix_and_its_drafter_state_key():
     store, blocks, _ = make_store(mode="explicit")
     first, resumed = finish_turn(store, blocks, "t1", TURN1, ANSWER1, session_id="chat-1")
     assert resumed is None and first.num_cached_tokens == 0
     turn2 = TURN1 + ANSWER1 + [300, 301, 302]
     req, resumed = new_request(store, "t2", turn2, session_id="chat-1")
-    assert resumed == "state"
+    assert resumed == "named:chat-1"
     assert req.num_computed_tokens == req.num_cached_tokens == 20  # 5 full blocks of computed history
     assert blocks.block_tables["t2"] == store.sessions["named:chat-1"].block_ids
     assert store.take_stats().hits == 1 and store.stats.hits == 0
@@ -72,7 +73,7 @@ def test_implicit_mode_finds_the_session_by_its_longest_cached_prefix():
     finish_turn(store, blocks, "other", [7] * 30, [8] * 5)  # another conversation
     finish_turn(store, blocks, "t1", TURN1, ANSWER1)
     req, resumed = new_request(store, "t2", TURN1 + ANSWER1 + [300, 301])
-    assert resumed == "state" and req.num_cached_tokens == 20
+    assert resumed == next(reversed(store.sessions)) and resumed.startswith("implicit:") and req.num_cached_tokens == 20
 
 
 def test_the_last_prompt_token_is_always_computed_even_when_the_whole_prompt_is_cached():
@@ -85,7 +86,7 @@ def test_the_last_prompt_token_is_always_computed_even_when_the_whole_prompt_is_
 def test_a_shared_system_prompt_reuses_kv_but_not_another_conversations_drafter_state():
     store, blocks, _ = make_store()
     system = list(range(50, 62))  # 3 full blocks
-    finish_turn(store, blocks, "a1", system + [1, 2, 3, 4, 5], [6, 7, 8], drafter_state="a's index")
+    finish_turn(store, blocks, "a1", system + [1, 2, 3, 4, 5], [6, 7, 8])
     req, resumed = new_request(store, "b1", system + [9, 9, 9, 9, 9])
     assert resumed is None, "b must not draw on a's conversation"
     assert req.num_cached_tokens == 12
@@ -99,7 +100,7 @@ def test_an_edited_earlier_turn_reuses_the_prefix_before_the_edit_and_keeps_the_
     finish_turn(store, blocks, "t1", TURN1, ANSWER1, session_id="c")
     edited = TURN1[:6] + [999] + TURN1[7:] + [300]  # the user changed a word of turn 1
     req, resumed = new_request(store, "t2", edited, session_id="c")
-    assert resumed == "state"  # same conversation: the drafter may copy from the old version
+    assert resumed == "named:c"  # same conversation: the drafter may copy from the old version
     assert req.num_cached_tokens == 4  # only the block before the edit
 
 
@@ -121,6 +122,7 @@ def test_the_least_recently_used_session_goes_when_the_cap_is_passed():
         finish_turn(store, blocks, name, [ord(name)] * 9, [1], session_id=name)
     assert list(store.sessions) == ["named:b", "named:c"]
     assert store.take_stats().evictions == 1
+    assert store.take_evicted_keys() == ["named:a"] and store.take_evicted_keys() == []  # for the engine's drafter states
     assert blocks.num_free_blocks == blocks.num_blocks - 4  # a's two blocks came back
 
 

@@ -1,0 +1,137 @@
+"""Where each sequence's queries and keys sit for one packed forward, and what each query may see.
+
+Built once per step by the runner (engine/packed_runner.py) from the forward items,
+read by every layer's attention (engine/paged_attention.py).
+
+A sequence's keys are its KV indices 0 .. L-1 (cached, then new). Its new token i
+sees every cached key and, among the new ones, itself and its ancestors: all the
+tokens before it for a causal chain, its tree path for a tree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences attended with one padded SDPA call: R sequences, up to Q new tokens, up to L keys each."""
+
+    query_index: torch.Tensor  # [R, Q] packed index of each padded query (padding repeats a real one)
+    block_table: torch.Tensor  # [R, ceil(L / block_size)] pool blocks of each sequence (padding points at block 0)
+    block_size: int
+    max_len: int  # L
+    mask: torch.Tensor | None  # [R, 1, heads_per_kv_head * Q, L] True where a query may look; None when R == Q == 1
+    valid: torch.Tensor  # [n] flat indices into [R * Q] of the real queries, in packed order
+    packed_index: torch.Tensor  # [n] packed index of those queries
+
+
+@dataclass
+class InPlaceSpan:
+    """One sequence whose keys occupy consecutive pool slots: attended on a view of the pool, nothing copied."""
+
+    query_start: int  # packed index of its first new token
+    query_len: int  # Q
+    first_slot: int  # pool slot of its KV index 0
+    context_len: int  # L
+    mask: torch.Tensor | None  # [1, 1, heads_per_kv_head * Q, L] True where a query may look; None when Q == 1
+
+
+@dataclass
+class GroupMember:
+    """One sequence as the layout sees it."""
+
+    query_start: int  # packed index of its first new token
+    query_len: int
+    context_len: int  # keys: cached + new
+    block_table: list[int]
+    ancestors: torch.Tensor | None = None  # [query_len, query_len] bool, a tree's; None = causal chain
+
+
+@dataclass
+class FlashMetadata:
+    """flash-attn's varlen call over the chains of a batch (trees go through SDPA in the same step)."""
+
+    query_index: torch.Tensor  # [n] packed indices of the chains' tokens, in order
+    cu_seqlens_q: torch.Tensor  # [R + 1] int32 offsets of each chain's new tokens
+    cu_seqlens_k: torch.Tensor  # [R + 1] int32 offsets of each chain's keys
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_table: torch.Tensor  # [R, max blocks] int32
+
+
+def ancestor_matrix(parents: list[int]) -> torch.Tensor:
+    """[n, n] bool: entry (i, j) is True when token j is token i itself or one of its ancestors (parent -1 = none)."""
+    n = len(parents)
+    seen = torch.eye(n, dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            seen[i] |= seen[parent]
+    return seen
+
+
+def query_mask(member: GroupMember, num_rows: int, num_keys: int) -> torch.Tensor:
+    """[num_rows, num_keys] bool for one sequence; rows past its queries copy its first (their output is dropped)."""
+    num_cached = member.context_len - member.query_len
+    mask = torch.zeros(num_rows, num_keys, dtype=torch.bool)
+    mask[:, :num_cached] = True
+    new = member.ancestors if member.ancestors is not None else torch.ones(member.query_len, member.query_len).tril().bool()
+    mask[:member.query_len, num_cached:member.context_len] = new
+    mask[member.query_len:, num_cached] = True  # padding rows see one key, so their softmax stays finite
+    return mask
+
+
+def _chain_masks(members: list[GroupMember], max_q: int, max_len: int) -> torch.Tensor:
+    """[R, Q, L] causal masks of chains, built in one go: query i of a chain sees keys up to its own position."""
+    offsets = torch.arange(max_q)
+    q_lens = torch.tensor([m.query_len for m in members])
+    ctx_lens = torch.tensor([m.context_len for m in members])
+    query_positions = ctx_lens[:, None] - q_lens[:, None] + offsets[None, :]  # [R, Q]
+    return torch.arange(max_len)[None, None, :] <= query_positions[:, :, None]
+
+
+def build_group(members: list[GroupMember], block_size: int, heads_per_kv_head: int, device: torch.device) -> AttentionGroup:
+    """The padded attention call of R sequences: sequence r's queries are its last query_len of context_len keys."""
+    num_reqs, max_q = len(members), max(m.query_len for m in members)
+    max_len = max(m.context_len for m in members)
+    offsets = torch.arange(max_q)
+    starts, q_lens = torch.tensor([m.query_start for m in members]), torch.tensor([m.query_len for m in members])
+    real = offsets[None, :] < q_lens[:, None]  # [R, Q]
+    query_index = starts[:, None] + torch.where(real, offsets[None, :], 0)
+    max_blocks = -(-max_len // block_size)
+    tables = [m.block_table[:max_blocks] for m in members]
+    table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])  # [R, max_blocks]
+    mask = None
+    if not num_reqs == max_q == 1:
+        if all(m.ancestors is None for m in members):
+            masks = _chain_masks(members, max_q, max_len)
+        else:
+            masks = torch.stack([query_mask(m, max_q, max_len) for m in members])
+        mask = _tile_mask(masks[:, None], heads_per_kv_head).to(device)
+    return AttentionGroup(
+        query_index.to(device), table.to(device), block_size, max_len, mask,
+        real.flatten().nonzero()[:, 0].to(device), query_index[real].to(device),
+    )
+
+
+def in_place_span(member: GroupMember, first_slot: int, heads_per_kv_head: int, device: torch.device) -> InPlaceSpan:
+    """The span of a sequence whose keys lie in consecutive slots from FIRST_SLOT on."""
+    mask = None
+    if member.query_len > 1:
+        mask = query_mask(member, member.query_len, member.context_len)[None, None]
+        mask = _tile_mask(mask, heads_per_kv_head).to(device)
+    return InPlaceSpan(member.query_start, member.query_len, first_slot, member.context_len, mask)
+
+
+def _tile_mask(mask: torch.Tensor, heads_per_kv_head: int) -> torch.Tensor:
+    """[R, 1, Q, L] -> [R, 1, heads_per_kv_head * Q, L]: the mask of every query head folded into rows."""
+    return mask.repeat(1, 1, heads_per_kv_head, 1)
+
+
+def contiguous_first_slot(block_table: list[int], num_keys: int, block_size: int) -> int | None:
+    """The pool slot of KV index 0 when the first NUM_KEYS keys lie in one run of slots, else None."""
+    table = block_table[:-(-num_keys // block_size)]
+    if any(b != a + 1 for a, b in zip(table, table[1:])):
+        return None
+    return table[0] * block_size

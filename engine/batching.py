@@ -1,0 +1,52 @@
+"""The scheduler's decisions as forward items, and what of a forward a drafter is shown afterwards.
+
+A scheduled request becomes one item: its uncomputed tokens as a chain, then the
+selected draft nodes as a tree hanging off its last real token (row num_real - 1).
+"""
+from __future__ import annotations
+
+import torch
+
+from drafters.base import CaptureSpec, Computed
+from drafters.tree import ROOT
+from engine.forward import ForwardBatch, ForwardItem, ForwardOutput, tree_item
+from scheduler.records import ScheduledRequest, Verification
+
+
+def forward_batch(scheduled: list[ScheduledRequest], block_size: int, capture: CaptureSpec) -> ForwardBatch:
+    return ForwardBatch([forward_item(item, block_size, capture) for item in scheduled], capture)
+
+
+def forward_item(item: ScheduledRequest, block_size: int, capture: CaptureSpec) -> ForwardItem:
+    num_real, n = item.num_real_tokens, len(item.token_ids)
+    last_real = num_real - 1
+    parents = list(range(-1, last_real)) + [last_real if p == ROOT else num_real + p for p in item.draft_parents]
+    logit_rows = list(range(last_real, n)) if item.reaches_end else []
+    forward = tree_item(item.token_ids, parents, item.num_computed, item.block_table, block_size, logit_rows)
+    if capture.hidden_layer is not None:
+        forward.hidden_rows = list(range(n))
+    if capture.attention_heads:
+        forward.attention_rows = logit_rows or [n - 1]  # the last committed token is one of these
+    return forward
+
+
+def committed_rows(item: ScheduledRequest, result: Verification) -> list[int]:
+    """Rows of the item whose KV the step committed, in position order: its real tokens, then the accepted path."""
+    return list(range(item.num_real_tokens)) + [item.num_real_tokens + node for node in result.accepted_nodes]
+
+
+def computed_for_drafter(
+    item: ScheduledRequest, forward: ForwardItem, result: Verification, output: ForwardOutput, index: int,
+) -> Computed:
+    """The tokens the step committed for one request, with the captures at those rows in position order."""
+    rows = committed_rows(item, result)
+    computed = Computed(item.num_computed, [item.token_ids[row] for row in rows])
+    hidden = output.hidden[index]
+    if hidden is not None:
+        computed.hidden_states = hidden[rows]  # hidden_rows are every row, in order
+    attention = output.attention[index]
+    if attention is not None:
+        last = forward.attention_rows.index(rows[-1])
+        key_order = list(range(forward.num_cached)) + [forward.num_cached + row for row in rows]
+        computed.attention = attention[last][:, torch.tensor(key_order)]  # [heads, positions so far]
+    return computed

@@ -1,0 +1,114 @@
+"""Learning-free n-grams: context windows counted and ranked, the model bigram filling the rows left, one tree."""
+from dataclasses import dataclass, field
+
+import torch
+
+from drafters.bigram import TABLE_TOP_K, BackgroundTable, BigramTable, build_bigram_table, load_table, table_path
+from drafters.ngram import ContextNgramIndex, NgramDrafter
+from drafters.tree import depths
+
+
+@dataclass
+class Req:
+    request_id: str
+    all_token_ids: list[int] = field(default_factory=list)
+
+
+def test_every_full_window_is_counted_and_ranked_by_count_then_recency():
+    index = ContextNgramIndex(w=2)
+    tokens = [5, 1, 2, 5, 3, 4, 5, 1, 2, 5, 3, 9, 5, 7, 7, 5]
+    index.extend(tokens[:7])
+    index.extend(tokens)  # incremental: only the windows the new tokens complete
+    # windows starting with 5: (1,2) twice, (3,4) once, (3,9) once (later), (7,7) once (latest); 5 at the end has no window
+    assert index.top(tokens, 10) == [[1, 2], [7, 7], [3, 9], [3, 4]]
+    assert index.top(tokens, 2) == [[1, 2], [7, 7]]
+    assert index.top([8], 3) == []
+
+
+def test_incremental_and_one_shot_indexing_agree():
+    tokens = [(i * 7) % 11 for i in range(60)]
+    one_shot, step_by_step = ContextNgramIndex(w=3), ContextNgramIndex(w=3)
+    one_shot.extend(tokens)
+    for end in range(1, len(tokens) + 1):
+        step_by_step.extend(tokens[:end])
+    assert one_shot.windows == step_by_step.windows
+
+
+def table_of(rows: dict[int, list[int]], vocab=40) -> BigramTable:
+    """A bigram table whose token x continues with rows[x] (padded), others with x + 1."""
+    top = torch.zeros(vocab, TABLE_TOP_K, dtype=torch.int32)
+    for token in range(vocab):
+        ranked = rows.get(token, [(token + 1) % vocab])
+        ranked = ranked + [t for t in range(vocab) if t not in ranked]
+        top[token] = torch.tensor(ranked[:TABLE_TOP_K])
+    return BigramTable(top)
+
+
+class ReadyTable(BackgroundTable):
+    def __init__(self, table):
+        self.table, self.thread, self.path = table, None, None
+
+
+def test_context_rows_come_first_and_bigram_rows_fill_the_rest_without_repeating_one():
+    table = table_of({5: [1, 8, 9]})  # after 5: 1, 8, 9; each extended by its argmax (x + 1)
+    drafter = NgramDrafter(k=3, w=2, bigram=ReadyTable(table))
+    req = Req("r", [5, 1, 2, 4, 5])
+    drafter.begin(req)
+    draft = drafter.propose([req])[0]
+    # context: 5 -> (1, 2). bigram rows: (1, 2) repeats it and is dropped; then (8, 9) and (9, 10)
+    assert draft.token_ids == [1, 2, 8, 9, 9, 10] and draft.parents == [-1, 0, -1, 2, -1, 4]
+    assert max(depths(draft.parents)) == 2 and draft.source == "ngram"
+
+
+def test_without_a_table_yet_the_drafter_drafts_from_the_context_alone():
+    drafter = NgramDrafter(k=10, w=3, bigram=None)
+    req = Req("r", [1, 2, 3, 4, 1])
+    drafter.begin(req)
+    assert drafter.propose([req])[0].token_ids == [2, 3, 4]
+    req.all_token_ids.append(9)
+    drafter.extend(req, [9])
+    assert len(drafter.propose([req])[0]) == 0  # nothing after 9, and no table: no draft at all
+
+
+def test_a_next_turn_resumes_the_context_index():
+    drafter = NgramDrafter(k=4, w=2, bigram=None)
+    req = Req("t1", [7, 8, 9])
+    drafter.begin(req)
+    req.all_token_ids += [7, 8]
+    drafter.extend(req, [7, 8])
+    state = drafter.finish(req)
+    turn2 = Req("t2", [7, 8, 9, 7, 8, 1, 7])
+    drafter.begin(turn2, state)
+    # 7 -> (8, 1), the more recent of two windows seen once each, then (8, 9): one shared first token
+    assert drafter.propose([turn2])[0].token_ids == [8, 1, 9]
+    assert drafter._corpora["t2"].index is state.index
+
+
+def test_the_table_holds_each_tokens_top_next_tokens_of_a_bare_forward_and_is_cached(tmp_path):
+    vocab = 40
+    weights = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0))
+    calls = []
+
+    def next_token_logits(tokens):
+        calls.append(len(tokens))
+        return weights[tokens]
+
+    table = build_bigram_table(next_token_logits, vocab)
+    assert table.top_ids.shape == (vocab, TABLE_TOP_K)
+    assert table.top_ids[3].tolist() == torch.topk(weights[3], TABLE_TOP_K).indices.tolist()
+    assert table.rows(3, 2, 3)[1][:2] == [int(weights[3].topk(2).indices[1]), int(weights[int(weights[3].topk(2).indices[1])].argmax())]
+    path = table_path(tmp_path, "abc")
+    background = BackgroundTable(path, lambda: build_bigram_table(next_token_logits, vocab))
+    assert background.wait(30) is not None and path.is_file()
+    assert torch.equal(load_table(path).top_ids, background.table.top_ids)
+    calls.clear()
+    again = BackgroundTable(path, lambda: build_bigram_table(next_token_logits, vocab))
+    assert again.table is not None and again.thread is None and calls == []  # from the cache: nothing recomputed
+
+
+def test_a_failed_build_leaves_context_drafts_and_serving_goes_on(tmp_path):
+    def broken():
+        raise RuntimeError("out of memory")
+
+    background = BackgroundTable(table_path(tmp_path, "x"), broken)
+    assert background.wait(30) is None

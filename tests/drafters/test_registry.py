@@ -1,0 +1,31 @@
+"""The registry builds each drafter from its sub-config and a context, by name."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafters.base import DrafterContext
+from drafters.config import SpecConfig
+from drafters.registry import DRAFTER_NAMES, build_drafter
+
+
+def context(tmp_path: Path, vocab=16) -> DrafterContext:
+    weights = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0))
+    return DrafterContext("fingerprint", vocab, 2, tmp_path, lambda tokens: weights[tokens])
+
+
+def test_registry_builds_by_name(tmp_path):
+    assert DRAFTER_NAMES == ("none", "copyspec", "ngram")
+    assert build_drafter(SpecConfig(drafter="none"), context(tmp_path)) is None
+    copy = build_drafter(SpecConfig(drafter="copyspec", copy_gamma=5, copy_max_tokens=7), context(tmp_path))
+    assert (copy.gamma, copy.max_tokens) == (5, 7)
+    ngram = build_drafter(SpecConfig(drafter="ngram", ngram_k=4, ngram_w=6), context(tmp_path))
+    assert (ngram.k, ngram.w) == (4, 6) and ngram.bigram.wait(30) is not None
+    assert (tmp_path / "tables").is_dir()
+    with pytest.raises(ValueError, match="unknown drafter"):
+        build_drafter(SpecConfig(drafter="nope"), context(tmp_path))
+
+
+def test_sub_configs_are_validated():
+    with pytest.raises(ValueError, match="ngram_k"):
+        SpecConfig(ngram_k=0)

@@ -1,0 +1,33 @@
+"""Token trees: depths, sibling ranks, subtrees, and k rows merged into one trie."""
+import pytest
+
+from drafters.base import Draft
+from drafters.tree import chain_parents, children, depths, is_chain, merge_rows, path_to, sibling_ranks, subtree
+
+
+def test_a_chain_is_the_tree_whose_every_node_follows_the_one_before():
+    assert chain_parents(3) == [-1, 0, 1] and is_chain([-1, 0, 1]) and not is_chain([-1, -1])
+    assert Draft([5, 6, 7], "x").parents == [-1, 0, 1]
+
+
+def test_depths_ranks_and_children():
+    parents = [-1, 0, 0, -1, 3, 1]
+    assert depths(parents) == [1, 2, 2, 1, 2, 3]
+    assert sibling_ranks(parents) == [0, 0, 1, 1, 0, 0]
+    assert children(parents) == {-1: [0, 3], 0: [1, 2], 3: [4], 1: [5]}
+    assert path_to(parents, 5) == [0, 1, 5]
+
+
+def test_a_subtree_is_reindexed_in_list_order():
+    assert subtree([-1, 0, 0, -1, 3, 1], [5, 0, 1, 3]) == [-1, 0, -1, 1]
+
+
+def test_merging_rows_shares_their_common_prefixes_and_keeps_row_order():
+    tokens, parents = merge_rows([[1, 2, 3], [1, 2, 4], [5], [1, 6]])
+    assert tokens == [1, 2, 3, 4, 5, 6] and parents == [-1, 0, 1, 1, -1, 0]
+    assert sibling_ranks(parents)[tokens.index(4)] == 1  # the second row's last token is its parent's second child
+
+
+def test_a_draft_rejects_a_parent_listed_after_its_child():
+    with pytest.raises(ValueError):
+        Draft([1, 2], "x", [1, -1])

@@ -1,0 +1,95 @@
+"""Tree verification: the target's own token at every depth, the drafted child that equals it, and nothing else."""
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from engine.sampler import UniformStream, inverse_cdf_samples
+from engine.verifier import verify_greedy, verify_sampled
+
+VOCAB = 6
+
+
+def logits_for(argmax_rows):
+    """[len, VOCAB] logits with a clear winner per row: row 0 at the last token, row 1 + j at draft node j."""
+    logits = torch.zeros(len(argmax_rows), VOCAB)
+    for i, winner in enumerate(argmax_rows):
+        logits[i, winner] = 5.0
+    return logits
+
+
+# Trees as (draft tokens, parents); argmax per row (root first); expected tokens and accepted nodes.
+@pytest.mark.parametrize(
+    "tokens, parents, argmax_rows, expected_tokens, expected_nodes",
+    [
+        ([], [], [3], [3], []),  # no draft: plain greedy
+        ([1, 2], [-1, 0], [1, 2, 4], [1, 2, 4], [0, 1]),  # a chain, all accepted, then the bonus token
+        ([1, 3], [-1, 0], [1, 2, 4], [1, 2], [0]),  # a chain, second rejected: the target's token replaces it
+        ([1, 2, 4, 5], [-1, 0, -1, 2], [4, 0, 0, 5, 3], [4, 5, 3], [2, 3]),  # the right answer is the second branch
+        ([1, 2, 3, 4, 5], [-1, 0, 1, 2, 2], [1, 2, 3, 5, 0, 0], [1, 2, 3, 5, 0], [0, 1, 2, 4]),  # deep, a late sibling
+        ([1, 2, 4, 5], [-1, 0, -1, 2], [3, 0, 0, 0, 0], [3], []),  # in no branch
+        ([1, 2, 1], [-1, 0, 0], [1, 1, 0, 0], [1, 1, 0], [0, 2]),  # siblings under an accepted node: the second wins
+    ],
+    ids=["no-draft", "chain-all", "chain-reject", "second-branch", "deep-branch", "none", "second-child"],
+)
+def test_greedy_walks_the_tree(tokens, parents, argmax_rows, expected_tokens, expected_nodes):
+    result = verify_greedy(logits_for(argmax_rows), tokens, parents)
+    assert (result.token_ids, result.accepted_nodes) == (expected_tokens, expected_nodes)
+
+
+def model_distribution(prefix: tuple) -> torch.Tensor:
+    """A made-up target over VOCAB tokens whose next-token law depends on the whole prefix."""
+    generator = torch.Generator().manual_seed(hash(prefix) % (2**31))
+    return torch.softmax(torch.randn(VOCAB, generator=generator) * 1.5, dim=-1)
+
+
+def sample_two_tokens(tokens, parents, stream):
+    """Verify a draft tree against the made-up target, then sample plainly up to two output tokens."""
+    rows = [model_distribution(())] + [model_distribution(tuple(path(parents, tokens, j))) for j in range(len(tokens))]
+    result = verify_sampled(torch.stack(rows), tokens, parents, stream.next(len(tokens) + 1))
+    stream.advance(len(result.token_ids))
+    out = result.token_ids
+    while len(out) < 2:  # the next steps sample plainly, each from its position's own uniform
+        out.append(inverse_cdf_samples(model_distribution(tuple(out))[None], stream.next(1))[0])
+        stream.advance(1)
+    return tuple(out[:2])
+
+
+def path(parents, tokens, node):
+    nodes = []
+    while node != -1:
+        nodes.append(node)
+        node = parents[node]
+    return [tokens[n] for n in reversed(nodes)]
+
+
+@pytest.mark.parametrize(
+    "tokens, parents",
+    [
+        ([0, 1, 2], [-1, -1, -1]),  # three candidates for the first token
+        ([0, 1, 0, 3, 2], [-1, 0, 0, -1, 3]),  # two candidates at each of two depths
+        ([5, 4, 3], [-1, 0, 1]),  # a chain
+    ],
+    ids=["siblings", "two-levels", "chain"],
+)
+def test_multi_candidate_sampling_keeps_the_target_distribution(tokens, parents):
+    """Chi-square of the first two output tokens against the made-up target's exact joint law."""
+    stream = UniformStream(torch.Generator().manual_seed(7))
+    num_samples = 12_000
+    counts = Counter(sample_two_tokens(tokens, parents, stream) for _ in range(num_samples))
+    pairs = list(itertools.product(range(VOCAB), repeat=2))
+    joint = [float(model_distribution(())[a]) * float(model_distribution((a,))[b]) for a, b in pairs]
+    expected = [p * num_samples / sum(joint) for p in joint]  # float32 rounding: make it sum exactly
+    observed = [counts.get(pair, 0) for pair in pairs]
+    assert sum(observed) == num_samples
+    assert chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_a_depths_token_does_not_depend_on_what_was_drafted():
+    probs = torch.softmax(torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(2)), dim=-1)
+    uniforms = [0.9, 0.15, 0.5]
+    own = inverse_cdf_samples(probs[:1], uniforms[:1])[0]
+    for tokens, parents in (([], []), ([own], [-1]), ([(own + 1) % VOCAB, own], [-1, -1])):
+        assert verify_sampled(probs, tokens, parents, uniforms).token_ids[0] == own
