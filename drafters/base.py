@@ -67,7 +67,7 @@ class DrafterContext:
     vocab_size: int
     num_layers: int
     cache_dir: Path  # model-derived tables live under it
-    next_token_logits: Callable[[list[int]], torch.Tensor] = field(repr=False)  # [B] bare tokens -> [B, vocab] logits
+    next_token_logits: Callable[[list[int]], torch.Tensor] = field(repr=False)  # [B] tokens -> [B, vocab]: each after BOS
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -1,7 +1,8 @@
 """The model bigram of the learning-free n-gram paper (§4.1): the target's own top next tokens after each bare token.
 
-For every token x of the vocabulary, one forward of the target on x alone (no BOS, no
-template, as the paper's code does) gives p(· | x); the table keeps its top
+For every token x of the vocabulary, one forward of the target on x gives p(· | x); the
+paper's code runs x alone, we run it after the model's BOS token (engine/drafter_context.py
+says why: without it a small model's prediction ignores x). The table keeps its top
 `TABLE_TOP_K` token ids ([vocab, TABLE_TOP_K] int32, about 5 MB for a 49k vocabulary;
 the full V x V table would be ~10 GB). The extended bigram chains a candidate with the
 table's argmax: x -> c, then argmax(c), argmax(argmax(c)), ... up to w tokens.
@@ -26,7 +27,7 @@ logger = logging.getLogger("specserve.drafters")
 
 TABLE_TOP_K = 25  # the largest k of the paper's grid
 BUILD_BATCH_SIZE = 256  # bare tokens per forward while building
-TABLE_FORMAT = 1  # bump when the table's meaning changes
+TABLE_FORMAT = 2  # bump when the table's meaning changes (2: each token after the BOS token)
 
 
 class BigramTable:
@@ -56,7 +57,7 @@ def build_bigram_table(
     next_token_logits: Callable[[list[int]], torch.Tensor], vocab_size: int,
     progress: Callable[[int, int], None] | None = None,
 ) -> BigramTable:
-    """next_token_logits: [B] bare tokens -> [B, vocab] logits of a one-token forward on each."""
+    """next_token_logits: [B] tokens -> [B, vocab] logits of the target's next token after each (DrafterContext)."""
     width = min(TABLE_TOP_K, vocab_size)
     top = torch.empty(vocab_size, width, dtype=torch.int32)
     for start in range(0, vocab_size, BUILD_BATCH_SIZE):

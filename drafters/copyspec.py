@@ -51,5 +51,5 @@ class CopySpecDrafter(CorpusDrafter[CopyIndex]):
         self.gamma = gamma
         self.max_tokens = max_tokens
 
-    def draft(self, corpus: SessionCorpus[CopyIndex]) -> Draft:
+    def draft(self, request_id: str, corpus: SessionCorpus[CopyIndex]) -> Draft:
         return Draft(corpus.index.continuation(corpus.corpus, self.max_tokens), self.name)

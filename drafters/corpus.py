@@ -68,9 +68,9 @@ class CorpusDrafter(DrafterBase, Generic[IndexT]):
         self._corpora[req.request_id].append(new_token_ids)
 
     def propose(self, reqs: Sequence[DraftableRequest]) -> list[Draft]:
-        return [self.draft(self._corpora[req.request_id]) for req in reqs]
+        return [self.draft(req.request_id, self._corpora[req.request_id]) for req in reqs]
 
-    def draft(self, corpus: SessionCorpus[IndexT]) -> Draft:
+    def draft(self, request_id: str, corpus: SessionCorpus[IndexT]) -> Draft:
         """The draft for a request whose corpus (ending with its last token) is CORPUS."""
         raise NotImplementedError
 

@@ -16,18 +16,31 @@ n-grams first, then the extended model bigram fills the rows that are left.
 The paper verifies the k rows as a batch; merging their shared prefixes into one tree
 (drafters/tree.py) verifies the same candidates with fewer tokens and accepts the same
 greedy output. Sessions carry the context index across turns like CopySpec's.
+
+Beyond the paper, for the goodput planner (which the paper does not have): every
+token of the tree carries the drafter's own acceptance estimate. Rows differ widely —
+on SmolLM2's own greedy outputs a context row's first token was right 13-27% of the
+time when the token before the window differs from the token before the query, and
+72-95% when the three tokens before both agree — so the estimate is kept per row
+kind (context: its count, 1 or more, and how many tokens before it agree, 0-3;
+bigram: its rank) and depth, learnt from what the target produced: after each step
+every row of the last draft is scored against the target's tokens, verified or not.
 """
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from typing import Sequence
 
-from drafters.base import Draft
+from drafters.base import Draft, DraftableRequest
 from drafters.bigram import BackgroundTable
 from drafters.corpus import CorpusDrafter, SessionCorpus
 from drafters.tree import merge_rows
 
 QUERY_LEN = 1  # q: tokens matched at the end of the context
+MAX_MATCH = 3  # tokens before a context window compared with those before the query, for its row kind
+ROW_PRIOR = 0.3  # acceptance a row kind starts from, before any of its tokens were scored
+ROW_PRIOR_WEIGHT = 4.0  # how many scored tokens the prior is worth
 
 
 class ContextNgramIndex:
@@ -49,11 +62,40 @@ class ContextNgramIndex:
             counts[continuation] = (count + 1, start)
         self.num_indexed = len(token_ids)
 
-    def top(self, token_ids: Sequence[int], k: int) -> list[list[int]]:
-        """Up to k continuations of the last QUERY_LEN tokens: most frequent first, ties to the most recent."""
+    def top_windows(self, token_ids: Sequence[int], k: int) -> list[tuple[tuple[int, ...], int, int]]:
+        """Up to k (continuation, count, last start) after the last QUERY_LEN tokens: most frequent first, ties to
+        the most recent."""
         counts = self.windows.get(tuple(token_ids[len(token_ids) - QUERY_LEN:]), {})
         best = heapq.nlargest(k, counts.items(), key=lambda item: item[1])
-        return [list(continuation) for continuation, _ in best]
+        return [(continuation, count, start) for continuation, (count, start) in best]
+
+    def top(self, token_ids: Sequence[int], k: int) -> list[list[int]]:
+        return [list(continuation) for continuation, _, _ in self.top_windows(token_ids, k)]
+
+
+class RowRates:
+    """Running acceptance of the drafter's rows, per row kind and depth, scored against the target's tokens.
+
+    A row's token at depth d is scored when the row's tokens before it were the target's: its first token every
+    step, verified or not. The rate at (kind, d) shrinks towards (kind, d - 1), and (kind, 1) towards ROW_PRIOR.
+    """
+
+    def __init__(self) -> None:
+        self.tried: Counter[tuple[str, int]] = Counter()
+        self.hits: Counter[tuple[str, int]] = Counter()
+
+    def rate(self, kind: str, depth: int) -> float:
+        prior = self.rate(kind, depth - 1) if depth > 1 else ROW_PRIOR
+        key = (kind, depth)
+        return (self.hits[key] + prior * ROW_PRIOR_WEIGHT) / (self.tried[key] + ROW_PRIOR_WEIGHT)
+
+    def score(self, rows: list[tuple[list[int], str]], target_token_ids: Sequence[int]) -> None:
+        for row, kind in rows:
+            for depth, (token, target) in enumerate(zip(row, target_token_ids), start=1):
+                self.tried[(kind, depth)] += 1
+                if token != target:
+                    break
+                self.hits[(kind, depth)] += 1
 
 
 class NgramDrafter(CorpusDrafter[ContextNgramIndex]):
@@ -64,12 +106,35 @@ class NgramDrafter(CorpusDrafter[ContextNgramIndex]):
         self.k = k  # rows
         self.w = w  # tokens per row
         self.bigram = bigram  # None: context n-grams only
+        self.rates = RowRates()
+        self._proposed: dict[str, list[tuple[list[int], str]]] = {}  # request id -> its last draft's rows and kinds
 
-    def draft(self, corpus: SessionCorpus[ContextNgramIndex]) -> Draft:
-        rows = corpus.index.top(corpus.corpus, self.k)
-        rows += self._bigram_rows(corpus.corpus[-1], rows)
-        token_ids, parents = merge_rows(rows)
-        return Draft(token_ids, self.name, parents)
+    def extend(self, req: DraftableRequest, new_token_ids: Sequence[int]) -> None:
+        """The step's tokens are the target's next ones: they score the last draft's rows, then join the corpus."""
+        self.rates.score(self._proposed.pop(req.request_id, []), new_token_ids)
+        super().extend(req, new_token_ids)
+
+    def draft(self, request_id: str, corpus: SessionCorpus[ContextNgramIndex]) -> Draft:
+        rows = self._rows(corpus)
+        self._proposed[request_id] = rows  # scored against the target's tokens at the next extend
+        return self._tree(rows)
+
+    def _rows(self, corpus: SessionCorpus[ContextNgramIndex]) -> list[tuple[list[int], str]]:
+        """The mixed strategy's rows, each with its kind: context windows first, then the bigram's."""
+        tokens = corpus.corpus
+        rows = [(list(continuation), context_kind(tokens, count, start))
+                for continuation, count, start in corpus.index.top_windows(tokens, self.k)]
+        bigram = self._bigram_rows(tokens[-1], [row for row, _ in rows])
+        return rows + [(row, f"bigram:rank{min(rank, MAX_MATCH)}") for rank, row in enumerate(bigram)]
+
+    def _tree(self, rows: list[tuple[list[int], str]]) -> Draft:
+        """The rows merged into one tree; a token shared by several rows takes the best of their estimates."""
+        token_ids, parents, paths = merge_rows([row for row, _ in rows])
+        estimates = [0.0] * len(token_ids)
+        for (_, kind), path in zip(rows, paths):
+            for depth, node in enumerate(path, start=1):
+                estimates[node] = max(estimates[node], self.rates.rate(kind, depth))
+        return Draft(token_ids, self.name, parents, estimates)
 
     def _bigram_rows(self, last_token: int, context_rows: list[list[int]]) -> list[list[int]]:
         """The extended bigram's rows that fill what the context left of k, none repeating a context row."""
@@ -80,3 +145,17 @@ class NgramDrafter(CorpusDrafter[ContextNgramIndex]):
         taken = {tuple(row) for row in context_rows}
         fresh = [row for row in table.rows(last_token, len(context_rows) + self.k, self.w) if tuple(row) not in taken]
         return fresh[:num_missing]
+
+    def finish(self, req: DraftableRequest) -> SessionCorpus | None:
+        self._proposed.pop(req.request_id, None)
+        return super().finish(req)
+
+
+def context_kind(tokens: Sequence[int], count: int, start: int) -> str:
+    """A context row's kind: its window's count (1 or more) and how many tokens before the window agree with those
+    before the query (0 .. MAX_MATCH)."""
+    query = len(tokens) - QUERY_LEN
+    match = 0
+    while match < MAX_MATCH and start - 1 - match >= 0 and tokens[start - 1 - match] == tokens[query - 1 - match]:
+        match += 1
+    return f"context:count{'2+' if count > 1 else '1'}:match{match}"

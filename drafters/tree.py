@@ -53,18 +53,19 @@ def subtree(parents: Sequence[int], nodes: Sequence[int]) -> list[int]:
     return [ROOT if parents[old] == ROOT else new_index[parents[old]] for old in kept]
 
 
-def merge_rows(rows: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+def merge_rows(rows: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[list[int]]]:
     """k candidate continuations merged into one tree (a trie): shared prefixes become shared nodes.
 
-    Returns (token_ids, parents). Nodes follow the rows' order, so the first row's tokens
-    are every node's first child: verifying the tree accepts the same tokens as verifying
-    the k rows one by one and keeping the longest match.
+    Returns (token_ids, parents, paths), paths[r] being the nodes of row r. Nodes follow the
+    rows' order, so the first row's tokens are every node's first child: verifying the tree
+    accepts the same tokens as verifying the k rows one by one and keeping the longest match.
     """
     token_ids: list[int] = []
     parents: list[int] = []
+    paths: list[list[int]] = []
     child_of: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
     for row in rows:
-        node = ROOT
+        node, path = ROOT, []
         for token in row:
             key = (node, token)
             if key not in child_of:
@@ -72,7 +73,9 @@ def merge_rows(rows: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
                 token_ids.append(token)
                 parents.append(node)
             node = child_of[key]
-    return token_ids, parents
+            path.append(node)
+        paths.append(path)
+    return token_ids, parents, paths
 
 
 def path_to(parents: Sequence[int], node: int) -> list[int]:

@@ -2,9 +2,17 @@
 blended with the request's own history.
 
 The estimate of a node is the conditional probability that it is accepted given
-that its parent was (verification accepts at most one child of a node). Statistics
-learn only from nodes whose parent was accepted: a node after a rejection was never
-tried. A drafter that knows better gives its own per-token estimate with the draft
+that its parent was (verification accepts at most one child of a node).
+
+Statistics learn from the whole draft, verified or not: the tokens a step produced
+(the accepted path, then the target's own next token) are the target's tokens at
+depths 1, 2, ..., so every drafted node whose parent lies on that path is scored
+against the target's token at its depth, whether the planner verified it or not.
+For greedy decoding the score is the acceptance itself; for point-mass drafts under
+sampling it is an unbiased draw of it (the target's token at a depth is its own
+sample, drafted or not; engine/verifier.py). So a drafter whose drafts went
+unverified keeps being measured, and no step has to verify a draft just to learn.
+A drafter that knows better gives its own per-token estimate with the draft
 (`Draft.acceptance`), which is used as it is; other estimators (a companion model,
 say) implement the same `estimate` method.
 """
@@ -13,7 +21,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from drafters.base import Draft
-from drafters.tree import ROOT, depths, sibling_ranks
+from drafters.tree import ROOT, children, depths, sibling_ranks
 from scheduler.request import Request
 
 NodeKey = tuple[int, int]  # (depth, sibling rank); depth 1 = a child of the request's last token
@@ -23,8 +31,8 @@ class AcceptanceEstimator(Protocol):
     def estimate(self, req: Request, draft: Draft) -> list[float]:
         """[len(draft)] conditional acceptance probability of each drafted node."""
 
-    def observe(self, req: Request, draft: Draft, verified: list[int], accepted: list[int]) -> None:
-        """Record that the VERIFIED nodes of DRAFT were verified and the ACCEPTED path of them accepted."""
+    def observe(self, req: Request, draft: Draft, target_token_ids: list[int]) -> None:
+        """Score DRAFT against the target's tokens at depths 1, 2, ... (what the step produced for the request)."""
 
 
 class Counts:
@@ -75,10 +83,10 @@ class TreeAcceptance:
         tried, accepted = counts.tried.get(key, 0), counts.accepted.get(key, 0)
         return (accepted + prior * self.prior_weight) / (tried + self.prior_weight)
 
-    def observe(self, req: Request, draft: Draft, verified: list[int], accepted: list[int]) -> None:
+    def observe(self, req: Request, draft: Draft, target_token_ids: list[int]) -> None:
         shared = self.by_drafter.setdefault(draft.source, Counts())
         own = self.by_request.setdefault(req.request_id, Counts())
-        for key, was_accepted in tried_nodes(draft, verified, accepted):
+        for key, was_accepted in scored_nodes(draft, target_token_ids):
             shared.add(key, was_accepted)
             own.add(key, was_accepted)
 
@@ -86,11 +94,18 @@ class TreeAcceptance:
         self.by_request.pop(request_id, None)
 
 
-def tried_nodes(draft: Draft, verified: list[int], accepted: list[int]) -> list[tuple[NodeKey, bool]]:
-    """The verified nodes whose parent was accepted (or is the root), with their key and whether they were accepted."""
-    node_depths, ranks = depths(draft.parents), sibling_ranks(draft.parents)
-    on_path = set(accepted)
-    return [
-        ((node_depths[n], ranks[n]), n in on_path)
-        for n in verified if draft.parents[n] == ROOT or draft.parents[n] in on_path
-    ]
+def scored_nodes(draft: Draft, target_token_ids: list[int]) -> list[tuple[NodeKey, bool]]:
+    """Every node whose parent lies on the target's path (the root's children always), with its key and whether its
+    token is the target's at its depth; the walk follows the matching node down while target tokens last."""
+    kids, ranks = children(draft.parents), sibling_ranks(draft.parents)
+    scored, node = [], ROOT
+    for depth, target in enumerate(target_token_ids, start=1):
+        matched = None
+        for child in kids.get(node, ()):
+            hit = draft.token_ids[child] == target
+            scored.append(((depth, ranks[child]), hit))
+            matched = child if hit else matched
+        if matched is None:
+            return scored
+        node = matched
+    return scored

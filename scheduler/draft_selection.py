@@ -17,9 +17,6 @@ from scheduler.planner import PlannedTree, expected_accepted, plan_verification
 from scheduler.records import ScheduledRequest
 from scheduler.request import Request
 
-PROBE_INTERVAL_STEPS = 16  # steps in a row a request's drafts may go unverified before it verifies one anyway
-
-
 def draft_depth_limit(req: Request, max_model_len: int) -> int:
     """Draft depth worth considering: no more tokens than the request may still generate after its bonus token."""
     return max(min(req.max_new_tokens_left, max_model_len - len(req.all_token_ids)) - 1, 0)
@@ -48,8 +45,7 @@ class DraftSelector:
             return _first_come(offered, budget)
         trees = [self._planned_tree(item.req, nodes) for item, nodes in zip(decoding, offered)]
         chosen = plan_verification(trees, num_base_tokens, len(decoding), step_seconds, budget)
-        chosen = [[nodes[i] for i in picked] for nodes, picked in zip(offered, chosen)]
-        return _probe_long_unverified([item.req for item in decoding], offered, chosen, budget)
+        return [[nodes[i] for i in picked] for nodes, picked in zip(offered, chosen)]
 
     def _planned_tree(self, req: Request, nodes: list[int]) -> PlannedTree:
         if not nodes:
@@ -72,21 +68,6 @@ def attach_draft(item: ScheduledRequest, nodes: list[int]) -> None:
     item.token_ids = item.token_ids + [draft.token_ids[n] for n in kept]
     item.draft_nodes = kept
     item.draft_parents = subtree(draft.parents, kept)
-
-
-def _probe_long_unverified(reqs: list[Request], offered: list[list[int]], chosen: list[list[int]], budget: int) -> list[list[int]]:
-    """Acceptance estimates learn only from verified drafts, so a drafter whose first drafts failed could go
-    unverified for good; a request whose drafts went unverified PROBE_INTERVAL_STEPS steps in a row verifies one
-    (its draft's first node)."""
-    probed, room = [list(nodes) for nodes in chosen], budget - sum(len(nodes) for nodes in chosen)
-    for i, req in enumerate(reqs):
-        if chosen[i]:
-            req.num_steps_unverified = 0
-        elif offered[i]:
-            req.num_steps_unverified += 1
-            if req.num_steps_unverified >= PROBE_INTERVAL_STEPS and room > 0:
-                probed[i], room, req.num_steps_unverified = [offered[i][0]], room - 1, 0
-    return probed
 
 
 def _first_come(offered: list[list[int]], budget: int) -> list[list[int]]:

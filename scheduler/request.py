@@ -37,7 +37,6 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     spec: SpecStats = field(default_factory=SpecStats)
-    num_steps_unverified: int = 0  # steps in a row that offered drafts and verified none
     arrival_time: float = field(default_factory=time.monotonic)  # seconds, monotonic clock
 
     def __post_init__(self) -> None:

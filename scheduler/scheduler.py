@@ -12,7 +12,7 @@ from drafters.base import Draft
 from scheduler.acceptance import AcceptanceEstimator, TreeAcceptance
 from scheduler.admission import Admission, QueueFullError
 from scheduler.config import SchedulerConfig
-from scheduler.draft_selection import PROBE_INTERVAL_STEPS, DraftSelector, attach_draft
+from scheduler.draft_selection import DraftSelector, attach_draft
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.latency import LatencyModel
 from scheduler.records import ScheduledRequest, SchedulerOutput, StepStats, StepUpdate, Verification
@@ -20,7 +20,7 @@ from scheduler.request import Request, RequestStatus
 from scheduler.sessions import SessionStore
 from scheduler.update import RequestUpdater, spec_step_stats
 
-__all__ = ["PROBE_INTERVAL_STEPS", "QueueFullError", "Scheduler"]
+__all__ = ["QueueFullError", "Scheduler"]
 
 OVERHEAD_SMOOTHING = 0.1  # weight of the latest step in the running mean of the measured step overhead
 

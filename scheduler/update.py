@@ -51,14 +51,14 @@ class RequestUpdater:
         return update, moves
 
     def _record_speculation(self, item: ScheduledRequest, result: Verification) -> None:
+        if item.req.draft is not None:  # verified or not, the draft is scored against what the target produced
+            self.estimator.observe(item.req, item.req.draft, result.token_ids)
         if item.num_draft_tokens == 0:
             return
         spec = item.req.spec
         spec.num_drafts += 1
         spec.num_draft_tokens += item.num_draft_tokens
         spec.num_accepted_tokens += len(result.accepted_nodes)
-        accepted = [item.draft_nodes[n] for n in result.accepted_nodes]
-        self.estimator.observe(item.req, item.req.draft, item.draft_nodes, accepted)
 
     def _append_until_stop(self, req: Request, token_ids: list[int]) -> tuple[list[int], str | None]:
         """Append tokens up to and including the first that stops the request; returns them and the stop reason."""

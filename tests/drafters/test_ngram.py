@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafters.bigram import TABLE_TOP_K, BackgroundTable, BigramTable, build_bigram_table, load_table, table_path
-from drafters.ngram import ContextNgramIndex, NgramDrafter
+from drafters.ngram import ContextNgramIndex, NgramDrafter, RowRates, context_kind
 from drafters.tree import depths
 
 
@@ -112,3 +112,47 @@ def test_a_failed_build_leaves_context_drafts_and_serving_goes_on(tmp_path):
 
     background = BackgroundTable(table_path(tmp_path, "x"), broken)
     assert background.wait(30) is None
+
+
+def test_a_context_rows_kind_says_its_count_and_how_many_tokens_before_it_agree():
+    tokens = [4, 5, 6, 1, 2, 3, 9, 4, 5, 6, 1]  # the query 1 is preceded by 4 5 6, as the window at 3 is
+    assert context_kind(tokens, 1, 3) == "context:count1:match3"
+    assert context_kind([7, 1, 2, 3, 8, 1], 2, 1) == "context:count2+:match0"
+    assert context_kind([1, 2, 3, 8, 1], 1, 0) == "context:count1:match0"  # nothing before the window
+
+
+def test_row_rates_score_every_row_against_the_targets_tokens_down_to_its_first_miss():
+    rates = RowRates()
+    rows = [([5, 6, 7], "a"), ([5, 6, 9], "b"), ([8, 1, 1], "c")]
+    rates.score(rows, [5, 6, 9, 4])  # the target's tokens: rows a and b share two, b's third is right too
+    assert rates.tried[("a", 3)] == 1 and rates.hits[("a", 3)] == 0
+    assert rates.hits[("b", 3)] == 1 and rates.tried[("c", 1)] == 1 and rates.hits[("c", 1)] == 0
+    assert rates.tried[("c", 2)] == 0  # never scored past its first miss
+    for _ in range(50):
+        rates.score(rows, [5, 6, 9, 4])
+    assert rates.rate("b", 3) > 0.9 and rates.rate("c", 1) < 0.1
+    assert rates.rate("b", 4) > 0.85  # depth 4 never scored: it inherits depth 3
+
+
+def test_each_tree_token_carries_the_best_estimate_of_the_rows_through_it():
+    drafter = NgramDrafter(k=3, w=2, bigram=ReadyTable(table_of({5: [1, 8, 9]})))
+    req = Req("r", [5, 1, 2, 4, 5])
+    drafter.begin(req)
+    for _ in range(30):  # the context row (1, 2) keeps being right; the bigram rows never
+        draft = drafter.propose([req])[0]
+        drafter.rates.score(drafter._proposed.pop("r"), [1, 2, 7])
+    draft = drafter.propose([req])[0]
+    assert draft.token_ids[:2] == [1, 2] and draft.acceptance[0] > 0.9 and draft.acceptance[1] > 0.9
+    assert all(rate < 0.15 for rate in draft.acceptance[2:])
+
+
+def test_extend_scores_the_last_draft_with_the_steps_tokens():
+    drafter = NgramDrafter(k=2, w=2, bigram=None)
+    req = Req("r", [3, 4, 5, 3])
+    drafter.begin(req)
+    assert drafter.propose([req])[0].token_ids == [4, 5]
+    req.all_token_ids += [4, 6]
+    drafter.extend(req, [4, 6])  # 4 accepted, then the target said 6
+    kind = "context:count1:match0"
+    assert (drafter.rates.tried[(kind, 1)], drafter.rates.hits[(kind, 1)]) == (1, 1)
+    assert (drafter.rates.tried[(kind, 2)], drafter.rates.hits[(kind, 2)]) == (1, 0)

@@ -23,8 +23,9 @@ def test_a_subtree_is_reindexed_in_list_order():
 
 
 def test_merging_rows_shares_their_common_prefixes_and_keeps_row_order():
-    tokens, parents = merge_rows([[1, 2, 3], [1, 2, 4], [5], [1, 6]])
+    tokens, parents, paths = merge_rows([[1, 2, 3], [1, 2, 4], [5], [1, 6]])
     assert tokens == [1, 2, 3, 4, 5, 6] and parents == [-1, 0, 1, 1, -1, 0]
+    assert paths == [[0, 1, 2], [0, 1, 3], [4], [0, 5]]
     assert sibling_ranks(parents)[tokens.index(4)] == 1  # the second row's last token is its parent's second child
 
 
