@@ -9,7 +9,7 @@ TORCH_CPU_VERSION ?= 2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
 STAMP := $(VENV)/.specserve-installed
 
-.PHONY: setup prometheus-tools serve test bench clean
+.PHONY: setup prometheus-tools serve test bench peers clean
 
 setup: $(STAMP) prometheus-tools
 
@@ -42,6 +42,11 @@ test: setup
 
 bench: setup
 	$(VENV)/bin/specserve bench mt-redundant --max-new-tokens 256 $(ARGS)
+
+# The peer servers the benchmarks compare with, built from source: llama.cpp's llama-server (~10 min on 2 cores, once).
+PEERS_DIR ?= .peers
+peers: setup
+	PIP=$(VENV)/bin/pip bash bench/peers/build_llama_server.sh $(PEERS_DIR)
 
 clean:
 	rm -rf $(VENV) *.egg-info

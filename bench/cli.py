@@ -7,9 +7,9 @@ from pathlib import Path
 
 from bench.data import MissingDataError, data_path, load_questions, missing_data_message
 
-MT_BENCHMARKS = ("mt-redundant", "mt-bench", "spec-bench", "humaneval", "gsm8k")  # conversations, turn by turn
-ALL_DRAFTERS = ("none", "copyspec", "ngram", "hf-greedy", "hf-pld")
-PEERS = ("transformers-serve",)
+MT_BENCHMARKS = ("mt-redundant", "mt-bench", "humaneval", "gsm8k")  # conversations, turn by turn
+ALL_DRAFTERS = ("none", "copyspec", "ngram", "hf-greedy", "hf-pld", "llama-server", "llama-server-spec")
+PEERS = ("transformers-serve", "llama-server", "llama-server-spec")
 SESSION_MODES = ("off", "explicit", "implicit")
 SESSION_BENCHMARKS = ("mt-redundant", "self-correction")
 SESSION_DRAFTERS = ("none", "copyspec")  # the drafters `bench sessions` applies; the HTTP server has no hf-* peers
@@ -17,7 +17,7 @@ SESSION_DRAFTERS = ("none", "copyspec")  # the drafters `bench sessions` applies
 
 def add_bench_parser(commands, add_engine_flags) -> None:
     bench = commands.add_parser("bench", help="measure speed side by side (results under bench/results/NAME)")
-    bench.add_argument("name", choices=(*MT_BENCHMARKS, "ngram", "concurrency", "sessions"))
+    bench.add_argument("name", choices=(*MT_BENCHMARKS, "spec-bench", "ngram", "concurrency", "sessions", "step-profile"))
     add_engine_flags(bench)
     bench.add_argument("--drafters", default=",".join(ALL_DRAFTERS), help=f"comma list from {ALL_DRAFTERS}; 'none' is always run")
     bench.add_argument("--limit", type=int, default=None, help="first N questions only")
@@ -31,7 +31,10 @@ def add_bench_parser(commands, add_engine_flags) -> None:
     bench.add_argument("--grid-max-new-tokens", type=int, default=96, help="ngram: new tokens per grid generation")
     bench.add_argument("--concurrency", type=parse_ints, default=(1, 4, 16, 32, 64), help="concurrency: client counts")
     bench.add_argument("--requests-per-client", type=int, default=2, help="concurrency: turn-2 requests per client and level")
-    bench.add_argument("--peers", type=parse_peers, default=PEERS, help=f"concurrency: peer servers from {PEERS}, or ''")
+    bench.add_argument("--peers", type=parse_peers, default=PEERS[:1], help=f"concurrency: peer servers from {PEERS}, or ''")
+    bench.add_argument("--warm-prompts", action="store_true",
+                       help="concurrency: every server caches every prompt first (specserve: sessions on, a fresh session "
+                            "per request, so prompt KV is reused and no drafter state is); default: sessions off")
     bench.add_argument("--peer-kv-blocks", type=int, default=None,
                        help="concurrency: transformers serve's KV blocks of 256 tokens (default: enough for the largest C at once)")
     bench.add_argument("--peer-max-batch-tokens", type=int, default=None,
@@ -86,14 +89,16 @@ def parse_drafters(text: str) -> list[str]:
 
 def data_sets_needed(args: argparse.Namespace) -> list[str]:
     """The data sets benchmark ARGS.name reads."""
-    if args.name == "concurrency":
-        return ["mt-redundant"]
     if args.name == "sessions":
         return [{"mt-redundant": "mt-redundant", "self-correction": "spec-bench"}[b] for b in args.benchmarks]
     if args.name == "ngram":
         from bench.ngram import DATASETS
 
         return list(DATASETS)
+    if args.name in ("concurrency", "step-profile"):
+        return ["mt-redundant"]
+    if args.name == "spec-bench":
+        return ["spec-bench", "mt-redundant"]
     return [args.name]
 
 
@@ -121,6 +126,14 @@ def run_bench(args: argparse.Namespace, engine_config_from_args) -> None:
         from bench.ngram import run_ngram_benchmark
 
         run_ngram_benchmark(args, engine_config_from_args, tokenizer, out_dir)
+    elif args.name == "spec-bench":
+        from bench.pld_plus import run_pld_plus_benchmark
+
+        run_pld_plus_benchmark(args, engine_config_from_args, tokenizer, out_dir)
+    elif args.name == "step-profile":
+        from bench.step_profile import run_step_profile
+
+        run_step_profile(args, engine_config_from_args, tokenizer, out_dir)
     elif args.name == "sessions":
         run_sessions(args, out_dir)
     else:
@@ -135,15 +148,35 @@ def run_mt(args: argparse.Namespace, engine_config_from_args, tokenizer, out_dir
     from engine.model_loader import load_model
 
     runners, hf_model = {}, None
-    for name in parse_drafters(args.drafters):
-        if name.startswith("hf-"):
-            hf_model = hf_model or load_model(engine_config_from_args(args, "none").model)
-            runners[name] = HFRunner(hf_model, prompt_lookup=name == "hf-pld")
-        else:
-            runners[name] = EngineRunner(Engine(engine_config_from_args(args, name)))
-    reference_model = runners["none"].engine.runner.model
-    questions = load_questions(args.name, args.data_dir)[: args.limit]
-    run_mt_benchmark(args.name, questions, runners, tokenizer, reference_model, args, out_dir)
+    try:
+        for name in parse_drafters(args.drafters):
+            if name.startswith("hf-"):
+                hf_model = hf_model or load_model(engine_config_from_args(args, "none").model)
+                runners[name] = HFRunner(hf_model, prompt_lookup=name == "hf-pld")
+            elif name.startswith("llama-server"):
+                runners[name] = llama_server_runner(args, name, out_dir)
+            else:
+                runners[name] = EngineRunner(Engine(engine_config_from_args(args, name)))
+        reference_model = runners["none"].engine.runner.model
+        questions = load_questions(args.name, args.data_dir)[: args.limit]
+        run_mt_benchmark(args.name, questions, runners, tokenizer, reference_model, args, out_dir)
+    finally:
+        for runner in runners.values():
+            if hasattr(runner, "close"):
+                runner.close()
+
+
+def llama_server_runner(args: argparse.Namespace, name: str, out_dir: Path):
+    """llama-server on the same GGUF, one slot (single stream), plain or with its own speculation."""
+    from bench.llama_server import LlamaServerRunner, start_llama_server
+    from engine.model_source import resolve_model_source
+
+    source = resolve_model_source(args.model)
+    if source.gguf_file is None:
+        raise SystemExit("llama-server rows need a GGUF model (--model FILE.gguf, or the embedded default)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gguf_path = str(Path(source.path) / source.gguf_file)
+    return LlamaServerRunner(start_llama_server(gguf_path, name.endswith("-spec"), out_dir, threads=args.num_threads or 2))
 
 
 def run_concurrency(args: argparse.Namespace, engine_config_from_args, tokenizer, out_dir: Path) -> None:
@@ -153,8 +186,9 @@ def run_concurrency(args: argparse.Namespace, engine_config_from_args, tokenizer
     from engine.engine import Engine
 
     args.concurrency_drafters = [d for d in parse_drafters(args.drafters) if not d.startswith("hf-")]
-    # Every level replays the same conversations: a session cache would turn later levels into hits the peer never gets.
-    engine_flags = specserve_engine_flags(args) + ["--session-mode", "off"]
+    # Every level replays the same conversations: unless every server caches every prompt first (--warm-prompts), a
+    # session cache would turn later levels into hits the peers never get.
+    engine_flags = specserve_engine_flags(args) + ["--session-mode", "implicit" if args.warm_prompts else "off"]
     questions = load_questions("mt-redundant", args.data_dir)[: args.limit]
     baseline = EngineRunner(Engine(engine_config_from_args(args, "none")))
     conversations = turn2_conversations(questions, tokenizer, baseline, args.max_new_tokens)
@@ -166,7 +200,7 @@ def run_concurrency(args: argparse.Namespace, engine_config_from_args, tokenizer
 def specserve_engine_flags(args: argparse.Namespace) -> list[str]:
     """The engine flags of ARGS as `specserve serve` arguments, for every server a benchmark starts."""
     flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
-             "--device", args.device, "--dtype", args.dtype]
+             "--device", args.device, "--dtype", args.dtype, "--weights", args.weights]
     for flag in ("model", "num_threads", "max_model_len", "max_num_batched_tokens", "kv_cache_memory", "block_size",
                  "attention_backend", "copy_gamma", "copy_max_tokens", "ngram_k", "ngram_w", "cache_dir", "session_ttl",
                  "max_sessions"):

@@ -26,6 +26,7 @@ import shlex
 import statistics
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ class ServerUnderTest:
     port: int
     model: str  # the `model` field its requests carry
     env: dict[str, str] = field(default_factory=dict)  # added to the environment it starts in
+    fresh_sessions: bool = False  # each request names a session of its own: prompt KV reused, no drafter state resumed
 
 
 @dataclass
@@ -73,9 +75,19 @@ class RequestTiming:
     completion_tokens: int
 
 
-def specserve_under_test(drafter: str, engine_flags: list[str], model: str) -> ServerUnderTest:
+def specserve_under_test(drafter: str, engine_flags: list[str], model: str, fresh_sessions: bool = False) -> ServerUnderTest:
     port = free_port()
-    return ServerUnderTest("specserve", drafter, specserve_command(port, "--drafter", drafter, *engine_flags), port, model)
+    command = specserve_command(port, "--drafter", drafter, *engine_flags)
+    return ServerUnderTest("specserve", drafter, command, port, model, fresh_sessions=fresh_sessions)
+
+
+def llama_server_under_test(gguf_path: str, speculative: bool, parallel: int, threads: int) -> ServerUnderTest:
+    """llama-server with PARALLEL slots, plain or with its own n-gram speculation (bench/llama_server.py)."""
+    from bench.llama_server import NAMES, llama_server_binary, llama_server_command
+
+    port = free_port()
+    command = llama_server_command(llama_server_binary(), gguf_path, port, parallel, speculative, threads)
+    return ServerUnderTest(NAMES[speculative], "ngram-map-k" if speculative else "none", command, port, "default")
 
 
 def transformers_serve_under_test(
@@ -122,12 +134,15 @@ def transformers_model_dir(source: ModelSource, cache_root: Path | None = None) 
     return str(dequantized_dir(source, cache_root))
 
 
-async def stream_turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int) -> RequestTiming:
-    reply = await stream_chat(client, url, chat_body(model, messages, max_tokens))
+async def stream_turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int,
+                      fresh_session: bool = False) -> RequestTiming:
+    headers = {"X-Session-ID": f"bench-{uuid.uuid4().hex}"} if fresh_session else None
+    reply = await stream_chat(client, url, chat_body(model, messages, max_tokens), headers)
     return RequestTiming(reply.ttft_s, reply.decode_s / max(reply.completion_tokens - 1, 1), reply.completion_tokens)
 
 
-async def run_level(url: str, model: str, conversations: list[list[dict]], concurrency: int, max_tokens: int) -> tuple[list[RequestTiming], float]:
+async def run_level(url: str, model: str, conversations: list[list[dict]], concurrency: int, max_tokens: int,
+                    fresh_sessions: bool = False) -> tuple[list[RequestTiming], float]:
     """All conversations through `concurrency` clients; returns their timings and the wall seconds."""
     queue: asyncio.Queue = asyncio.Queue()
     for messages in conversations:
@@ -136,7 +151,7 @@ async def run_level(url: str, model: str, conversations: list[list[dict]], concu
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         while not queue.empty():
-            timings.append(await stream_turn(client, url, model, queue.get_nowait(), max_tokens))
+            timings.append(await stream_turn(client, url, model, queue.get_nowait(), max_tokens, fresh_sessions))
 
     start = time.perf_counter()
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=httpx.Limits(max_connections=concurrency)) as client:
@@ -194,21 +209,27 @@ def summary_row(under_test: ServerUnderTest, concurrency: int, timings: list[Req
     }
 
 
-def start_warm_server(under_test: ServerUnderTest, conversations: list[list[dict]], log_dir: Path, stack: ExitStack) -> RunningServer:
-    """UNDER_TEST started (STACK stops it), then one untimed request: lazy start-up work (KV pool, first forwards) stays out of level 1."""
+def start_warm_server(under_test: ServerUnderTest, conversations: list[list[dict]], log_dir: Path, stack: ExitStack,
+                      warm_prompts: bool = False) -> RunningServer:
+    """UNDER_TEST started (STACK stops it), then untimed requests: one, so lazy start-up work (KV pool, first forwards)
+    stays out of level 1; or, with WARM_PROMPTS, every conversation once with one new token, so each server has every
+    prompt cached before the first level (specserve in its session cache, llama-server in its prompt cache)."""
     started = time.perf_counter()
     server = start_process(under_test.command, under_test.port, log_dir, env=under_test.env)
     stack.callback(stop_server, server)
     print(f"{under_test.server}/{under_test.drafter} healthy after {time.perf_counter() - started:.1f} s", flush=True)
-    asyncio.run(run_level(server.api_url, under_test.model, conversations[:1], 1, WARMUP_MAX_TOKENS))
+    warm_up = conversations if warm_prompts else conversations[:1]
+    max_tokens = 1 if warm_prompts else WARMUP_MAX_TOKENS
+    asyncio.run(run_level(server.api_url, under_test.model, warm_up, 1, max_tokens, under_test.fresh_sessions))
     return server
 
 
 @contextmanager
-def running_servers(servers: list[ServerUnderTest], conversations: list[list[dict]], log_dir: Path) -> Iterator[list[RunningServer]]:
+def running_servers(servers: list[ServerUnderTest], conversations: list[list[dict]], log_dir: Path,
+                    warm_prompts: bool = False) -> Iterator[list[RunningServer]]:
     """All SERVERS started and warmed up, one after another; all stopped on leaving, also on error."""
     with ExitStack() as stack:
-        yield [start_warm_server(under_test, conversations, log_dir, stack) for under_test in servers]
+        yield [start_warm_server(under_test, conversations, log_dir, stack, warm_prompts) for under_test in servers]
 
 
 def level_order(num_servers: int, level_index: int) -> list[int]:
@@ -224,7 +245,9 @@ def level_batch(conversations: list[list[dict]], concurrency: int, requests_per_
 def measure_level(under_test: ServerUnderTest, server: RunningServer, batch: list[list[dict]], concurrency: int, max_tokens: int) -> dict:
     """One summary row: BATCH through CONCURRENCY clients against SERVER, with its speculative counters over the level."""
     before = scrape_spec_counters(server)
-    timings, seconds = asyncio.run(run_level(server.api_url, under_test.model, batch, concurrency, max_tokens))
+    timings, seconds = asyncio.run(
+        run_level(server.api_url, under_test.model, batch, concurrency, max_tokens, under_test.fresh_sessions)
+    )
     return summary_row(under_test, concurrency, timings, seconds, counter_delta(before, scrape_spec_counters(server)))
 
 
@@ -248,9 +271,10 @@ def drive_levels(num_servers: int, levels: list[int], measure: Callable[[int, in
 
 
 def measure_servers(servers: list[ServerUnderTest], conversations: list[list[dict]], levels: list[int], requests_per_client: int,
-                    max_tokens: int, log_dir: Path, after_level: Callable[[list[dict]], None]) -> list[dict]:
+                    max_tokens: int, log_dir: Path, after_level: Callable[[list[dict]], None],
+                    warm_prompts: bool = False) -> list[dict]:
     """All SERVERS up at once, driven level by level (drive_levels), and stopped at the end."""
-    with running_servers(servers, conversations, log_dir) as running:
+    with running_servers(servers, conversations, log_dir, warm_prompts) as running:
         def measure(index: int, concurrency: int) -> dict:
             batch = level_batch(conversations, concurrency, requests_per_client)
             return measure_level(servers[index], running[index], batch, concurrency, max_tokens)
@@ -364,16 +388,39 @@ def peers_under_test(args, conversations: list[list[dict]], tokenizer) -> tuple[
         shown[shown.index("--port") + 1] = "PORT"
         setup["transformers-serve"] = {"command": shlex.join(shown), "env": peer.env,
                                        "kv_page_size": PEER_PAGE_SIZE, "kv_blocks": num_blocks}
+    for speculative in (False, True):
+        name = "llama-server-spec" if speculative else "llama-server"
+        if name in args.peers:
+            peer = llama_server_under_test(gguf_of(args.model), speculative, max(args.concurrency), args.num_threads or 2)
+            peers.append(peer)
+            from bench.llama_server import llama_commit
+
+            setup[name] = {"command": shlex.join(_shown(peer.command)), "llama_cpp_commit": llama_commit()}
     return peers, setup
+
+
+def gguf_of(model: str | None) -> str:
+    source = resolve_model_source(model)
+    if source.gguf_file is None:
+        raise SystemExit("llama-server peers need a GGUF model (--model FILE.gguf, or the embedded default)")
+    return str(Path(source.path) / source.gguf_file)
+
+
+def _shown(command: list[str]) -> list[str]:
+    """COMMAND as results.json shows it: the port and the machine's paths left out."""
+    shown = [Path(command[0]).name, *command[1:]]
+    shown[shown.index("--port") + 1] = "PORT"
+    shown[shown.index("--model") + 1] = Path(shown[shown.index("--model") + 1]).name
+    return shown
 
 
 def run_concurrency_benchmark(args, conversations: list[list[dict]], tokenizer, engine_flags: list[str], out_dir: Path) -> list[dict]:
     """CONVERSATIONS (turn-2 histories, from turn2_conversations) through every server under test, level by level."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model = resolve_model_source(args.model).name
-    servers = [specserve_under_test(d, engine_flags, model) for d in args.concurrency_drafters]
+    servers = [specserve_under_test(d, engine_flags, model, args.warm_prompts) for d in args.concurrency_drafters]
     peers, setup = peers_under_test(args, conversations, tokenizer)
-    setup.update(specserve_flags=engine_flags, order=ORDER)
+    setup.update(specserve_flags=engine_flags, order=ORDER, warm_prompts=args.warm_prompts)
     command = "specserve " + " ".join(sys.argv[1:])
     return measure_servers(servers + peers, conversations, args.concurrency, args.requests_per_client, args.max_new_tokens,
-                           out_dir, lambda rows: write_concurrency_results(rows, command, out_dir, setup))
+                           out_dir, lambda rows: write_concurrency_results(rows, command, out_dir, setup), args.warm_prompts)

@@ -49,11 +49,23 @@ def run_question(question: dict, runners: dict, tokenizer, reference_model, args
         names = [n for n in runners if not n.startswith("hf-") or turn in args.peer_turns]
         generations = {name: runners[name].generate(prompt, args.max_new_tokens) for name in names}
         baseline = generations["none"].token_ids
+        baseline_text = tokenizer.decode(baseline, skip_special_tokens=True)
         for name, gen in generations.items():
-            verdict = divergence_verdict(reference_model, prompt, baseline, gen.token_ids)
-            rows.append(_row(question, turn, name, gen, verdict))
-        answers.append(tokenizer.decode(baseline, skip_special_tokens=True))
+            if getattr(runners[name], "is_peer_server", False):
+                rows.append(_peer_row(question, turn, name, gen, baseline_text, generations))
+            else:
+                rows.append(_row(question, turn, name, gen, divergence_verdict(reference_model, prompt, baseline, gen.token_ids)))
+        answers.append(baseline_text)
     return rows
+
+
+def _peer_row(question: dict, turn: int, name: str, gen, baseline_text: str, generations: dict) -> dict:
+    """A peer server's row: its kernels are not ours, so it is compared by text (no near-tie rule), with specserve's
+    `none` and, for its speculative configuration, with its own plain output."""
+    row = _row(question, turn, name, gen, "identical" if gen.text == baseline_text else "differs")
+    plain = generations.get(name.removesuffix("-spec")) if name.endswith("-spec") else None
+    row["identical_to_peer_plain"] = None if plain is None else gen.text == plain.text
+    return row
 
 
 def _row(question: dict, turn: int, drafter: str, gen, verdict: str) -> dict:
@@ -94,6 +106,20 @@ def _load_previous_rows(out_dir: Path) -> list[dict]:
     return json.loads(path.read_text())["rows"] if path.exists() else []
 
 
+def _peer_lines(rows: list[dict]) -> list[str]:
+    """Per peer server and turn: outputs textually identical to specserve `none`, and to the peer's own plain output."""
+    lines = []
+    for name in dict.fromkeys(r["drafter"] for r in rows if r["exactness"] == "differs" or "identical_to_peer_plain" in r):
+        for turn in sorted({r["turn"] for r in rows if r["drafter"] == name}):
+            mine = [r for r in rows if r["drafter"] == name and r["turn"] == turn]
+            line = f"{name}, turn {turn}: {sum(r['identical_to_baseline'] for r in mine)} of {len(mine)} outputs textually identical to `none`"
+            own = [r["identical_to_peer_plain"] for r in mine if r.get("identical_to_peer_plain") is not None]
+            if own:
+                line += f", {sum(own)} of {len(own)} to its own plain output"
+            lines.append(line + ".")
+    return lines
+
+
 def write_results(name: str, rows: list[dict], drafters: list[str], args, out_dir: Path, lookup_cost) -> dict:
     summary = summarize(rows)
     results = {
@@ -116,12 +142,14 @@ def write_results(name: str, rows: list[dict], drafters: list[str], args, out_di
 def _markdown(results: dict, table: str) -> str:
     mismatches = sum(r["exactness"] == "mismatch" for r in results["rows"])
     near_ties = sum(r["exactness"] == "near-tie" for r in results["rows"])
+    peers = _peer_lines(results["rows"])
     lookup = results["copyspec_lookup_us_per_token"]
     lines = [
         f"# {results['benchmark']}: {results['num_questions']} questions, {results['max_new_tokens']} new tokens, greedy",
         "", f"Command: `{results['command']}`", "",
         "Tokens/s (speedup over `none` in the same run, τ = mean acceptance length):", "", table,
         f"Exactness: {mismatches} outputs differ from the baseline beyond a near-tie; {near_ties} diverge at a near-tie.",
+        *peers,
     ]
     if lookup:
         lines.append(f"CopySpec extend + lookup: {lookup['1000']:.2f} µs/token at a 1k context, {lookup['16000']:.2f} µs/token at 16k.")

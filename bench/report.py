@@ -30,10 +30,12 @@ def _summary_entry(key: tuple, group: list[dict]) -> dict:
     seconds = sum(r["seconds"] for r in group)
     num_drafts = sum(r["num_drafts"] for r in group)
     accepted = sum(r["accepted_tokens"] for r in group)
+    drafted = sum(r["drafted_tokens"] for r in group)
     return {
         "drafter": drafter, "turn": turn, "category": category, "num_questions": len(group),
         "tokens_per_s": round(new_tokens / seconds, 3) if seconds else 0.0,
-        "mean_acceptance_length": round(1 + accepted / num_drafts, 3) if num_drafts else 1.0,
+        # a peer that drafts without saying in how many rounds (llama-server) has no τ
+        "mean_acceptance_length": round(1 + accepted / num_drafts, 3) if num_drafts else (None if drafted else 1.0),
         "copied_fraction": round(accepted / new_tokens, 4) if new_tokens else 0.0,
         "all_identical_to_baseline": all(r["identical_to_baseline"] for r in group),
     }
@@ -53,7 +55,8 @@ def markdown_table(summary: list[dict], drafters: list[str]) -> str:
 def _cell(entry: dict | None) -> str:
     if entry is None:
         return "–"
-    return f"{entry['tokens_per_s']:.1f} ({entry['speedup_vs_none']:.2f}×, τ={entry['mean_acceptance_length']:.2f})"
+    tau = entry["mean_acceptance_length"]
+    return f"{entry['tokens_per_s']:.1f} ({entry['speedup_vs_none']:.2f}×, τ={'–' if tau is None else f'{tau:.2f}'})"
 
 
 def plot_speedups(summary: list[dict], drafters: list[str], path: Path) -> None:

@@ -21,6 +21,7 @@ class Generation:
     num_drafts: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    text: str | None = None  # the server's own text, for peers compared by text (bench/llama_server.py)
 
 
 class EngineRunner:

@@ -68,6 +68,7 @@ class DrafterContext:
     num_layers: int
     cache_dir: Path  # model-derived tables live under it
     next_token_logits: Callable[[list[int]], torch.Tensor] = field(repr=False)  # [B] tokens -> [B, vocab]: each after BOS
+    pld_plus_calibration: object | None = None  # engine/calibration.py's PldPlusCalibration for this model, if made
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -1,6 +1,7 @@
 """Builds the configured drafter by name from its sub-config and a context; `none` means plain decoding."""
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from drafters.base import Drafter, DrafterContext
@@ -8,10 +9,42 @@ from drafters.bigram import BackgroundTable, LogProgress, build_bigram_table, ta
 from drafters.config import SpecConfig
 from drafters.copyspec import CopySpecDrafter
 from drafters.ngram import NgramDrafter
+from drafters.pld import PromptLookupDrafter
+from drafters.pld_plus import PldPlusDrafter
 
 
 def _copyspec(config: SpecConfig, context: DrafterContext) -> Drafter:
     return CopySpecDrafter(config.copy_gamma, config.copy_max_tokens)
+
+
+def _pld(config: SpecConfig, context: DrafterContext) -> Drafter:
+    return PromptLookupDrafter(config.pld_num_tokens)
+
+
+def _pld_plus(config: SpecConfig, context: DrafterContext) -> Drafter:
+    """PLD+ with the served model's calibration (`specserve calibrate pld-plus`); without one, the hidden-state
+    variant at the paper's relative depth (layer 9 of 32)."""
+    calibration = context.pld_plus_calibration
+    if calibration is None:
+        logger.info("no PLD+ calibration for this model yet (`specserve calibrate pld-plus`): hidden states of layer %d",
+                    default_pld_plus_layer(context.num_layers))
+    ranking = config.pld_plus_ranking if config.pld_plus_ranking != "auto" else getattr(calibration, "ranking", "hidden")
+    if ranking == "attention" and calibration is None:
+        raise ValueError("--pld-plus-ranking attention needs the calibrated heads: run `specserve calibrate pld-plus` first")
+    layer = config.pld_plus_layer or getattr(calibration, "layer", None) or default_pld_plus_layer(context.num_layers)
+    return PldPlusDrafter(ranking, config.pld_plus_max_tokens, layer, _pld_plus_heads(config, calibration))
+
+
+def _pld_plus_heads(config: SpecConfig, calibration) -> tuple[tuple[int, int], ...]:
+    """The calibrated heads: as many as the calibration chose, or the best --pld-plus-num-heads of them."""
+    if calibration is None:
+        return ()
+    count = config.pld_plus_num_heads or len(calibration.heads)
+    return tuple((layer, head) for layer, head in calibration.ranked_heads[:count])
+
+
+def default_pld_plus_layer(num_layers: int) -> int:
+    return max(1, round(num_layers * 9 / 32))
 
 
 def _ngram(config: SpecConfig, context: DrafterContext) -> Drafter:
@@ -26,9 +59,13 @@ def model_bigram(context: DrafterContext) -> BackgroundTable:
     )
 
 
+logger = logging.getLogger("specserve.drafters")
+
 _BUILDERS: dict[str, Callable[[SpecConfig, DrafterContext], Drafter]] = {
     "copyspec": _copyspec,
     "ngram": _ngram,
+    "pld": _pld,
+    "pld-plus": _pld_plus,
 }
 
 DRAFTER_NAMES = ("none", *_BUILDERS)

@@ -13,6 +13,17 @@ from dataclasses import dataclass
 
 import torch
 
+# Batch invariance: a token's logits must not depend on the forward it is computed in (decoding, verifying a
+# draft, a prefill chunk, beside other requests). With bfloat16 activations (--weights bfloat16/int8/int4) a
+# last-bit difference upstream flips roundings and moves logits by tenths, far beyond the near-ties greedy
+# exactness allows, and a seeded request would sample differently on a second run that finds its prefix cached.
+# The Linear kernels compute each row alone; attention is made so (engine/paged_attention.py, on the CPU): plain
+# batched matmuls over query rows padded to a multiple of 4 per KV head (rows in a trailing partial group of 4
+# take another kernel and round differently) and over keys padded to a multiple of KEY_MULTIPLE (the softmax's
+# and the matmul's sums then see the same vector lanes whatever the length; padding keys are masked and add
+# exact zeros). Measured on torch 2.13 with MKL; tests/engine/test_packed_runner.py checks it bit for bit.
+KEY_MULTIPLE = 64
+
 
 @dataclass
 class AttentionGroup:
@@ -22,9 +33,10 @@ class AttentionGroup:
     block_table: torch.Tensor  # [R, ceil(L / block_size)] pool blocks of each sequence (padding points at block 0)
     block_size: int
     max_len: int  # L
-    mask: torch.Tensor | None  # [R, 1, heads_per_kv_head * Q, L] True where a query may look; None when R == Q == 1
+    mask: torch.Tensor  # [R, 1, heads_per_kv_head * Q, L] True where a query may look
     valid: torch.Tensor  # [n] flat indices into [R * Q] of the real queries, in packed order
     packed_index: torch.Tensor  # [n] packed index of those queries
+    scratch: torch.Tensor | None = None  # buffers the layers gather keys and values into, made by the first
 
 
 @dataclass
@@ -34,8 +46,8 @@ class InPlaceSpan:
     query_start: int  # packed index of its first new token
     query_len: int  # Q
     first_slot: int  # pool slot of its KV index 0
-    context_len: int  # L
-    mask: torch.Tensor | None  # [1, 1, heads_per_kv_head * Q, L] True where a query may look; None when Q == 1
+    context_len: int  # L, padded to KEY_MULTIPLE
+    mask: torch.Tensor  # [1, 1, heads_per_kv_head * Q, L] True where a query may look
 
 
 @dataclass
@@ -94,7 +106,7 @@ def _chain_masks(members: list[GroupMember], max_q: int, max_len: int) -> torch.
 def build_group(members: list[GroupMember], block_size: int, heads_per_kv_head: int, device: torch.device) -> AttentionGroup:
     """The padded attention call of R sequences: sequence r's queries are its last query_len of context_len keys."""
     num_reqs, max_q = len(members), max(m.query_len for m in members)
-    max_len = max(m.context_len for m in members)
+    max_len = padded_key_len(max(m.context_len for m in members))
     offsets = torch.arange(max_q)
     starts, q_lens = torch.tensor([m.query_start for m in members]), torch.tensor([m.query_len for m in members])
     real = offsets[None, :] < q_lens[:, None]  # [R, Q]
@@ -102,13 +114,11 @@ def build_group(members: list[GroupMember], block_size: int, heads_per_kv_head: 
     max_blocks = -(-max_len // block_size)
     tables = [m.block_table[:max_blocks] for m in members]
     table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])  # [R, max_blocks]
-    mask = None
-    if not num_reqs == max_q == 1:
-        if all(m.ancestors is None for m in members):
-            masks = _chain_masks(members, max_q, max_len)
-        else:
-            masks = torch.stack([query_mask(m, max_q, max_len) for m in members])
-        mask = _tile_mask(masks[:, None], heads_per_kv_head).to(device)
+    if all(m.ancestors is None for m in members):
+        masks = _chain_masks(members, max_q, max_len)
+    else:
+        masks = torch.stack([query_mask(m, max_q, max_len) for m in members])
+    mask = _tile_mask(masks[:, None], heads_per_kv_head).to(device)
     return AttentionGroup(
         query_index.to(device), table.to(device), block_size, max_len, mask,
         real.flatten().nonzero()[:, 0].to(device), query_index[real].to(device),
@@ -116,12 +126,16 @@ def build_group(members: list[GroupMember], block_size: int, heads_per_kv_head: 
 
 
 def in_place_span(member: GroupMember, first_slot: int, heads_per_kv_head: int, device: torch.device) -> InPlaceSpan:
-    """The span of a sequence whose keys lie in consecutive slots from FIRST_SLOT on."""
-    mask = None
-    if member.query_len > 1:
-        mask = query_mask(member, member.query_len, member.context_len)[None, None]
-        mask = _tile_mask(mask, heads_per_kv_head).to(device)
-    return InPlaceSpan(member.query_start, member.query_len, first_slot, member.context_len, mask)
+    """The span of a sequence whose keys lie in consecutive slots from FIRST_SLOT on (the padding keys after them,
+    whatever they hold, are masked)."""
+    num_keys = padded_key_len(member.context_len)
+    mask = query_mask(member, member.query_len, num_keys)[None, None]
+    mask = _tile_mask(mask, heads_per_kv_head).to(device)
+    return InPlaceSpan(member.query_start, member.query_len, first_slot, num_keys, mask)
+
+
+def padded_key_len(num_keys: int) -> int:
+    return -(-num_keys // KEY_MULTIPLE) * KEY_MULTIPLE
 
 
 def _tile_mask(mask: torch.Tensor, heads_per_kv_head: int) -> torch.Tensor:

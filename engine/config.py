@@ -9,6 +9,7 @@ from scheduler.config import SESSION_MODES, SchedulerConfig, SessionConfig
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+WEIGHT_MODES = ("auto", "float32", "bfloat16", "int8", "int4")  # engine/weights.py; kept here so config imports no torch
 
 
 @dataclass(frozen=True)
@@ -21,12 +22,15 @@ class ModelConfig:
     num_threads: int | None = None  # CPU threads for torch; None = torch's default
     seed: int = 0  # torch's global seed, for requests sampled without a seed of their own
     cache_dir: str | None = None  # tables derived from the model (drafters); None = $XDG_CACHE_HOME/specserve
+    weights: str = "auto"  # how Linear layers keep their weights: auto | float32 | bfloat16 | int8 | int4 (engine/weights.py)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
         if self.max_model_len is not None and self.max_model_len < 16:
             raise ValueError("max_model_len must be at least 16")
 

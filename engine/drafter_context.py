@@ -20,7 +20,7 @@ from engine.packed_runner import PackedModelRunner
 from engine.paged_attention import PagedKVPool, kv_shape
 
 SINGLE_TOKEN_BATCH = 256  # bare tokens per forward of `next_token_logits`, and slots of its scratch pool
-FINGERPRINT_STRIDE = 97  # every 97th row of the output embedding enters the fingerprint
+FINGERPRINT_STRIDE = 97  # every 97th row of the token embedding enters the fingerprint
 
 
 def default_cache_dir() -> Path:
@@ -28,22 +28,28 @@ def default_cache_dir() -> Path:
 
 
 def drafter_context(loaded: LoadedModel, config: ModelConfig) -> DrafterContext:
+    from engine.calibration import PldPlusCalibration, calibration_path
+
     model_config = loaded.model.config
+    fingerprint = weights_fingerprint(loaded.model, loaded.weights)
+    cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
     return DrafterContext(
-        model_fingerprint=weights_fingerprint(loaded.model),
+        model_fingerprint=fingerprint,
         vocab_size=model_config.vocab_size,
         num_layers=model_config.num_hidden_layers,
-        cache_dir=Path(config.cache_dir) if config.cache_dir else default_cache_dir(),
+        cache_dir=cache_dir,
         next_token_logits=SingleTokenForward(loaded),
+        pld_plus_calibration=PldPlusCalibration.load(calibration_path(cache_dir, fingerprint)),
     )
 
 
 @torch.no_grad()
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """16 hex digits naming the served weights: the config, the dtype and a sample of the output embedding."""
+def weights_fingerprint(model: torch.nn.Module, weights: str) -> str:
+    """16 hex digits naming the served weights: the config, how the Linear layers keep them (engine/weights.py),
+    the dtype and a sample of the token embedding."""
     digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
-    weight = model.get_output_embeddings().weight
-    digest.update(str(weight.dtype).encode())
+    weight = model.get_input_embeddings().weight
+    digest.update(f"{weights} {weight.dtype}".encode())
     digest.update(weight[::FINGERPRINT_STRIDE].float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 

@@ -34,6 +34,7 @@ class Engine:
         torch.manual_seed(config.model.seed)
         loaded = load_model(config.model)
         self.model_name = loaded.source.name
+        self.weights = loaded.weights  # how the Linear layers keep their weights (engine/weights.py)
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = loaded.model.config.vocab_size
         backend = resolve_attention_backend(config.cache.attention_backend, loaded.device)
@@ -46,7 +47,9 @@ class Engine:
             config.scheduler, self.max_model_len, self.eos_token_ids, blocks, LatencyModel(self.latency_profile),
             sessions=sessions,
         )
-        self.speculation = Speculation(build_drafter(config.spec, drafter_context(loaded, config.model)))
+        self.speculation = Speculation(
+            build_drafter(config.spec, drafter_context(loaded, config.model)), int(config.spec.max_drafter_state_mib * 2**20)
+        )
         self.verifier = Verifier()
 
     def ready_message(self) -> EngineReady:
@@ -57,6 +60,7 @@ class Engine:
             latency_ms_by_num_tokens={n: s * 1000 for n, s in self.latency_profile.items()},
             num_kv_blocks=self.scheduler.blocks.num_blocks,
             kv_block_size=self.scheduler.blocks.block_size,
+            weights=self.weights,
         )
 
     # --- requests in ----------------------------------------------------------------------
@@ -69,8 +73,9 @@ class Engine:
         if error:
             return RequestOutput(request.request_id, [], finish_reason="error", error=EngineError("invalid_request", error))
         req = Request(request.request_id, list(request.prompt_token_ids), request.sampling, request.session_id)
-        session_key = self.scheduler.add_request(req)
-        self.speculation.begin(req, session_key)
+        resumed = self.speculation.begin(req, self.scheduler.add_request(req))
+        if req.num_cached_tokens and not resumed and self.speculation.needs_every_position:
+            self.scheduler.drop_cached_prefix(req)  # its drafter never saw what the target computed there
         return None
 
     def _validate(self, request: EngineRequest) -> str | None:
@@ -107,7 +112,7 @@ class Engine:
         if not self.scheduler.sessions.stats.evictions:
             return None
         stats = StepStats(kv_cache_usage=self.scheduler.blocks.usage)
-        self._add_session_stats(stats)
+        self._add_cache_stats(stats)
         return stats
 
     # --- the step -------------------------------------------------------------------------
@@ -151,7 +156,7 @@ class Engine:
                 self.speculation.extend(req, request_update.new_token_ids)
         decoding = [req for req in self.scheduler.running if req.is_decoding]
         self.scheduler.set_drafts(decoding, self.speculation.propose(decoding))
-        self._add_session_stats(update.stats)
+        self._add_cache_stats(update.stats)
 
     def _release(self, req: Request) -> None:
         self.verifier.finish(req.request_id)
@@ -162,7 +167,7 @@ class Engine:
         if sessions:
             sessions.expire()
 
-    def _add_session_stats(self, stats: StepStats) -> None:
+    def _add_cache_stats(self, stats: StepStats) -> None:
         sessions = self.scheduler.sessions
         if sessions:
             self.speculation.forget_sessions(sessions.take_evicted_keys())
@@ -170,6 +175,7 @@ class Engine:
             stats.session_hits, stats.session_misses = counts.hits, counts.misses
             stats.session_reused_tokens, stats.session_evictions = counts.reused_tokens, counts.evictions
             stats.num_sessions = sessions.num_sessions
+        stats.drafter_state_bytes = self.speculation.state_bytes()
 
 
 def _wire_output(update: RequestUpdate) -> RequestOutput:

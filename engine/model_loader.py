@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
@@ -9,6 +10,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from engine.config import ModelConfig
 from engine.gguf_cache import loadable_source
 from engine.model_source import ModelSource, resolve_model_source
+from engine.weights import apply_weights, resolve_weights
 
 DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -20,6 +22,7 @@ class LoadedModel:
     device: torch.device
     max_model_len: int
     eos_token_ids: list[int]
+    weights: str = "float32"  # how its Linear layers keep their weights (engine/weights.py)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -48,9 +51,12 @@ def load_model(config: ModelConfig) -> LoadedModel:
         **checkpoint.from_pretrained_kwargs(),
     )
     model.to(device).eval()
-    if device.type == "cpu":
+    gguf_path = str(Path(source.path) / source.gguf_file) if source.gguf_file else None
+    weights = resolve_weights(config.weights, device, gguf_path)
+    apply_weights(model, weights, gguf_path)
+    if device.type == "cpu" and weights == "float32":
         store_linear_weights_input_major(model)
-    return LoadedModel(model, source, device, _max_model_len(model, config), _eos_token_ids(model))
+    return LoadedModel(model, source, device, _max_model_len(model, config), _eos_token_ids(model), weights)
 
 
 @torch.no_grad()

@@ -9,14 +9,14 @@ from __future__ import annotations
 import torch
 
 from engine.attention_layout import (
-    FlashMetadata, GroupMember, ancestor_matrix, build_group, contiguous_first_slot, in_place_span, query_mask,
+    FlashMetadata, GroupMember, ancestor_matrix, build_group, contiguous_first_slot, in_place_span, padded_key_len, query_mask,
 )
 from engine.forward import ForwardBatch, ForwardItem, ForwardOutput
 from engine.paged_attention import ATTENTION_NAME, MAX_GROUPED_QUERY_LEN, AttentionCapture, PackedBatch, PagedKVPool
 
-# Contexts at least this long are read in place when their slots are contiguous; shorter ones are cheaper to
-# gather into one padded call than to attend one call each (measured on CPU: at 16 requests the two cost the same
-# near 340 positions, and at 650 positions in place takes ~0.65x the time of gathering).
+# A long prefill chunk whose context is at least this long is read in place when its slots are contiguous.
+# Short runs never are: one call per request costs more than gathering them all (measured on CPU with int4 weights:
+# a decode step of 4 requests of 1,536 positions took 41 ms in place and 31 ms gathered; 16 of 512, 89 and 57 ms).
 IN_PLACE_MIN_CONTEXT = 256
 
 
@@ -63,19 +63,22 @@ class PackedModelRunner:
             chains = [i for i in others if items[i].is_chain]
             packed.flash = self._flash_metadata([members[i] for i in chains]) if chains else None
             others = [i for i in others if not items[i].is_chain]  # trees: SDPA, in the same step
-        gathered = []
-        for i in others:
-            first_slot = self._in_place_first_slot(members[i])
+        gathered = [members[i] for i in others if members[i].query_len <= MAX_GROUPED_QUERY_LEN]
+        for member in (members[i] for i in others if members[i].query_len > MAX_GROUPED_QUERY_LEN):
+            first_slot = self._in_place_first_slot(member)
             if first_slot is None:
-                gathered.append(members[i])
+                gathered.append(member)
             else:
-                packed.spans.append(in_place_span(members[i], first_slot, self.heads_per_kv_head, self.device))
+                packed.spans.append(in_place_span(member, first_slot, self.heads_per_kv_head, self.device))
         packed.groups = self._groups(gathered)
 
     def _in_place_first_slot(self, member: GroupMember) -> int | None:
-        if self.backend == "flash" or member.context_len < self.in_place_min_context:
+        if member.context_len < self.in_place_min_context:
             return None
-        return contiguous_first_slot(member.block_table, member.context_len, self.block_size)
+        first_slot = contiguous_first_slot(member.block_table, member.context_len, self.block_size)
+        if first_slot is None or first_slot + padded_key_len(member.context_len) > self.pool.keys.shape[1]:
+            return None  # the padding keys would run past the pool
+        return first_slot
 
     def _groups(self, members: list[GroupMember]) -> list:
         """Short sequences (decoding, verifying drafts) share one attention call; each long prefill chunk has its own."""

@@ -8,12 +8,15 @@ tree whose tokens see their ancestors only). Registered through transformers'
 public AttentionInterface, so the model code itself stays transformers'.
 
 Two backends, chosen at start-up:
-- `sdpa` (CPU and CUDA): a sequence whose long context lies in one contiguous run
-  of the pool (the block manager places blocks so that it usually does) is attended
-  on a view of the pool, nothing copied; the other sequences are grouped, each group's
-  keys and values gathered from the pool block-wise and attended with one
-  `scaled_dot_product_attention` call (short sequences together, each long prefill
-  chunk on its own);
+- `sdpa` (CPU and CUDA): short query runs (decoding, verifying drafts) are grouped,
+  their keys and values gathered from the pool block-wise and attended with one
+  `scaled_dot_product_attention` call. A long prefill chunk whose context lies in one
+  contiguous run of the pool (the block manager places blocks so that it usually does)
+  is attended on a view of the pool, nothing copied; otherwise gathered, in a call of
+  its own. (Measured on the 2-core CPU with int4 weights: gathering short runs beat one
+  in-place call per request at every batch and context tried, and beat a hand-written
+  C++ kernel that read the blocks in place: MKL's batched matmuls outrun per-key dot
+  products.)
 - `flash` (CUDA with flash-attn installed): one `flash_attn_varlen_func` call reads
   the pool through the block tables directly, for the chains of the batch; a tree
   in the same batch goes through SDPA in the same step. Imported lazily.
@@ -34,7 +37,8 @@ from engine.attention_layout import AttentionGroup, FlashMetadata, InPlaceSpan
 
 ATTENTION_NAME = "specserve_paged"
 FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs blocks of a multiple of 256 positions
-MAX_GROUPED_QUERY_LEN = 16  # sequences with at most this many new tokens share one padded attention call
+MAX_GROUPED_QUERY_LEN = 16
+ROW_MULTIPLE = 4  # query rows per KV head of a CPU attention call are padded to a multiple of this (batch invariance)  # sequences with at most this many new tokens share one padded attention call
 
 
 def kv_shape(model_config) -> tuple[int, int, int]:
@@ -96,11 +100,14 @@ class PackedBatch:
     captured_hidden: torch.Tensor | None = None  # [n, hidden_size]
 
 
-def _gather_blocks(layer_pool: torch.Tensor, block_table: torch.Tensor, block_size: int, max_len: int) -> torch.Tensor:
-    """[num_slots, kv_heads, head_dim] -> [R, L, kv_heads, head_dim] for block_table [R, blocks]: whole blocks copied."""
+def _gather_blocks(
+    layer_pool: torch.Tensor, block_table: torch.Tensor, block_size: int, max_len: int, into: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[num_slots, kv_heads, head_dim] -> [R, L, kv_heads, head_dim] for block_table [R, blocks]: whole blocks copied
+    (INTO, when given, a buffer of the right size reused from layer to layer: fresh pages cost more than the copy)."""
     num_reqs, num_blocks = block_table.shape
     by_block = layer_pool.view(-1, block_size * layer_pool.shape[1] * layer_pool.shape[2])
-    gathered = by_block.index_select(0, block_table.flatten())
+    gathered = torch.index_select(by_block, 0, block_table.flatten(), out=into) if into is not None else by_block.index_select(0, block_table.flatten())
     return gathered.view(num_reqs, num_blocks * block_size, *layer_pool.shape[1:])[:, :max_len]
 
 
@@ -115,8 +122,29 @@ def _attend_heads_as_rows(
     """
     num_reqs, heads, query_len, head_dim = q.shape
     rows = q.reshape(num_reqs, k.shape[1], heads // k.shape[1] * query_len, head_dim)
-    o = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scaling)
+    if rows.device.type == "cpu":
+        o = _row_invariant_attention(rows, k, v, mask, scaling if scaling is not None else head_dim ** -0.5)
+    else:
+        o = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scaling)
     return o.reshape(num_reqs, heads, query_len, head_dim)  # CUDA kernels may return other strides
+
+
+def _row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v in plain batched matmuls, one KV head at a time (its keys read where they lie,
+    nothing copied), whose every row comes out bit for bit the same whatever the other rows and the padding keys
+    (see engine/attention_layout.py); CPU SDPA's fused kernel does not.
+    q [R, kv_heads, rows, d]; k, v [R, kv_heads, L, d], any strides; mask [R, 1, rows, L]."""
+    num_rows = q.shape[2]
+    extra = -num_rows % ROW_MULTIPLE
+    if extra:  # zero queries that see every key: finite, dropped
+        q = F.pad(q, (0, 0, 0, extra))
+        mask = F.pad(mask, (0, 0, 0, extra), value=True)
+    hidden = ~mask[:, 0]
+    out = []
+    for head in range(k.shape[1]):
+        scores = torch.bmm(q[:, head], k[:, head].transpose(1, 2)).mul_(scaling).masked_fill_(hidden, float("-inf"))
+        out.append(torch.bmm(torch.softmax(scores, dim=-1), v[:, head])[:, :num_rows])
+    return torch.stack(out, dim=1)
 
 
 def _sdpa(packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float | None, out: torch.Tensor) -> None:
@@ -125,8 +153,10 @@ def _sdpa(packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: f
     for group in batch.groups:
         num_reqs, max_q = group.query_index.shape
         q = packed_query[group.query_index].transpose(1, 2)  # [R, heads, Q, head_dim]
-        k = _gather_blocks(keys, group.block_table, group.block_size, group.max_len).transpose(1, 2)
-        v = _gather_blocks(values, group.block_table, group.block_size, group.max_len).transpose(1, 2)
+        if group.scratch is None:  # the same size in every layer of the step
+            group.scratch = keys.new_empty(2, group.block_table.numel(), group.block_size * keys.shape[1] * keys.shape[2])
+        k = _gather_blocks(keys, group.block_table, group.block_size, group.max_len, group.scratch[0]).transpose(1, 2)
+        v = _gather_blocks(values, group.block_table, group.block_size, group.max_len, group.scratch[1]).transpose(1, 2)
         o = _attend_heads_as_rows(q, k, v, group.mask, scaling).transpose(1, 2)  # [R, Q, heads, head_dim]
         out[group.packed_index] = o.reshape(num_reqs * max_q, *o.shape[2:])[group.valid]
     for span in batch.spans:
@@ -193,10 +223,11 @@ def paged_attention_forward(
     packed_batch.pool.write(layer, key, value, packed_batch.write_slots)
     packed_query = query[0].transpose(0, 1)  # [total, heads, head_dim]
     out = torch.empty_like(packed_query)
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if packed_batch.flash is not None:
         _flash(packed_query, layer, packed_batch, scaling, out)
     _sdpa(packed_query, layer, packed_batch, scaling, out)
-    _capture_attention(packed_query, layer, packed_batch, scaling if scaling is not None else query.shape[-1] ** -0.5)
+    _capture_attention(packed_query, layer, packed_batch, scaling)
     return out[None], None
 
 

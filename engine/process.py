@@ -38,7 +38,7 @@ class EngineLoop:
 
         self.engine = Engine(self.config)
         ready = self.engine.ready_message()
-        logger.info("forward latency profile (ms by tokens): %s",
+        logger.info("%s weights; forward latency profile (ms by tokens): %s", ready.weights,
                     {n: round(ms, 1) for n, ms in ready.latency_ms_by_num_tokens.items()})
         self.send(ready)
         while True:

@@ -4,10 +4,14 @@ the turns of a session.
 The scheduler decides which session a turn resumes and when a session is evicted
 (scheduler/sessions.py); the drafter's state for each cached session is kept here,
 by the session's key, because drafter states may hold tensors (hidden states, say)
-that the scheduler never sees.
+that the scheduler never sees. Their memory is counted in bytes (a state's
+`num_bytes`, and the drafter's `state_bytes()` for its live requests) and the cached
+sessions' states are bounded: past the budget the least recently used go (their
+sessions stay; a next turn then starts its drafter afresh).
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Sequence
 
 from drafters.base import CaptureSpec, Draft, Drafter
@@ -18,19 +22,23 @@ from scheduler.request import Request
 
 
 class Speculation:
-    def __init__(self, drafter: Drafter | None) -> None:
+    def __init__(self, drafter: Drafter | None, max_state_bytes: int = 2**62) -> None:
         self.drafter = drafter
-        self.session_states: dict[str, object] = {}  # session key -> the drafter's state after its last turn
+        self.max_state_bytes = max_state_bytes  # bound on the cached sessions' drafter states
+        self.session_states: OrderedDict[str, object] = OrderedDict()  # session key -> state, least recently used first
 
     @property
     def captures(self) -> CaptureSpec:
         return self.drafter.captures if self.drafter else CaptureSpec()
 
-    def begin(self, req: Request, session_key: str | None) -> None:
-        """A new request; SESSION_KEY names the session whose state it resumes (one turn at a time takes it)."""
+    def begin(self, req: Request, session_key: str | None) -> bool:
+        """A new request; SESSION_KEY names the session whose state it resumes (one turn at a time takes it).
+
+        Returns whether a state was resumed."""
+        state = self.session_states.pop(session_key, None) if session_key else None
         if self.drafter:
-            state = self.session_states.pop(session_key, None) if session_key else None
             self.drafter.begin(req, state)
+        return state is not None
 
     def observe(
         self, scheduled: list[ScheduledRequest], batch: ForwardBatch, output: ForwardOutput | None,
@@ -59,7 +67,25 @@ class Speculation:
         state = self.drafter.finish(req) if self.drafter else None
         if session_key is not None and state is not None:
             self.session_states[session_key] = state
+            self.session_states.move_to_end(session_key)
+            self._bound_session_states()
 
     def forget_sessions(self, keys: list[str]) -> None:
         for key in keys:
             self.session_states.pop(key, None)
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Whether the drafter reads what the target computed at each position (hidden states, attention)."""
+        return self.captures.wants_any
+
+    def state_bytes(self) -> int:
+        live = self.drafter.state_bytes() if hasattr(self.drafter, "state_bytes") else 0
+        return live + self._session_bytes()
+
+    def _session_bytes(self) -> int:
+        return sum(getattr(state, "num_bytes", 0) for state in self.session_states.values())
+
+    def _bound_session_states(self) -> None:
+        while self.session_states and self._session_bytes() > self.max_state_bytes:
+            self.session_states.popitem(last=False)

@@ -69,6 +69,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     latency_ms_by_num_tokens: dict[int, float]  # profiled forward time for n tokens
     num_kv_blocks: int = 0  # blocks in the paged KV pool
     kv_block_size: int = 0  # positions per block
+    weights: str = ""  # how the Linear layers keep their weights: float32, bfloat16, int8 or int4
 
 
 class EngineDead(msgspec.Struct, tag="dead"):

@@ -128,6 +128,7 @@ class StepStats:
     session_reused_tokens: int = 0  # their prompt tokens whose KV came from a session: prefill saved
     session_evictions: int = 0  # sessions evicted since the last step
     num_sessions: int = 0  # sessions cached after the step
+    drafter_state_bytes: int = 0  # memory of drafter states (live requests and cached sessions) after the step
 
 
 @dataclass

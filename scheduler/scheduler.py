@@ -67,6 +67,13 @@ class Scheduler:
         self.admission.add(req)
         return self.sessions.attach(req) if self.sessions else None
 
+    def drop_cached_prefix(self, req: Request) -> None:
+        """Compute a just-added request's whole prompt after all, instead of reading its cached prefix's KV."""
+        if self.sessions:
+            self.sessions.stats.reused_tokens -= req.num_cached_tokens
+        self.blocks.free(req.request_id)
+        req.num_computed_tokens = req.num_cached_tokens = 0
+
     def abort(self, request_id: str) -> Request | None:
         req = self.admission.remove(request_id)
         if req is not None:

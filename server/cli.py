@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from drafters.config import SpecConfig
+from drafters.config import PLD_PLUS_RANKINGS, SpecConfig
 from drafters.registry import DRAFTER_NAMES
-from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, CacheConfig, EngineConfig, ModelConfig
+from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, WEIGHT_MODES, CacheConfig, EngineConfig, ModelConfig
 from scheduler.config import SESSION_MODES, SchedulerConfig, SessionConfig
 from server.auth import API_KEY_ENV
 from server.config import Config, ServerConfig
@@ -16,7 +16,12 @@ from server.config import Config, ServerConfig
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF model id, local directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--device", choices=DEVICES, default="auto")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="the model's dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument(
+        "--weights", choices=WEIGHT_MODES, default="auto",
+        help="how Linear layers keep their weights on the CPU: float32, bfloat16, int8 or int4 (weight-only kernels; "
+             "a GGUF's Q4 blocks map onto int4 directly). auto: int4 for a Q4 GGUF on an AVX-512 CPU, else float32",
+    )
     parser.add_argument("--max-model-len", type=int, default=None, help="context length in tokens")
     parser.add_argument("--trust-remote-code", action="store_true", help="let transformers run the model repo's own code")
     parser.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
@@ -34,6 +39,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--copy-max-tokens", type=int, default=SpecConfig.copy_max_tokens, help="CopySpec tokens copied per match |S|")
     parser.add_argument("--ngram-k", type=int, default=SpecConfig.ngram_k, help="n-grams: candidate rows per draft, merged into one tree")
     parser.add_argument("--ngram-w", type=int, default=SpecConfig.ngram_w, help="n-grams: tokens per candidate row")
+    parser.add_argument("--pld-num-tokens", type=int, default=SpecConfig.pld_num_tokens, help="prompt lookup: tokens copied after a match (K)")
+    parser.add_argument("--pld-plus-ranking", choices=PLD_PLUS_RANKINGS, default=SpecConfig.pld_plus_ranking,
+                        help="PLD+: rank copy sources by hidden states or induction-head attention (auto: the calibration's choice)")
+    parser.add_argument("--pld-plus-max-tokens", type=int, default=SpecConfig.pld_plus_max_tokens, help="PLD+: tokens copied (K)")
+    parser.add_argument("--pld-plus-layer", type=int, default=None, help="PLD+(h): hidden-state layer (default: calibrated)")
+    parser.add_argument("--pld-plus-num-heads", type=int, default=None, help="PLD+(a): how many calibrated heads (default: calibrated)")
     parser.add_argument("--cache-dir", default=None, help="where tables derived from the model are kept (default: $XDG_CACHE_HOME/specserve)")
     parser.add_argument(
         "--session-mode", choices=SESSION_MODES, default=SessionConfig.mode,
@@ -48,7 +59,7 @@ def engine_config_from_args(args: argparse.Namespace, drafter: str) -> EngineCon
     return EngineConfig(
         model=ModelConfig(
             args.model, args.device, args.dtype, args.max_model_len, args.trust_remote_code, args.num_threads,
-            cache_dir=args.cache_dir,
+            cache_dir=args.cache_dir, weights=args.weights,
         ),
         cache=CacheConfig(args.kv_cache_memory, args.block_size, args.attention_backend),
         scheduler=SchedulerConfig(
@@ -59,7 +70,9 @@ def engine_config_from_args(args: argparse.Namespace, drafter: str) -> EngineCon
         ),
         spec=SpecConfig(
             drafter=drafter, copy_gamma=args.copy_gamma, copy_max_tokens=args.copy_max_tokens, ngram_k=args.ngram_k,
-            ngram_w=args.ngram_w,
+            ngram_w=args.ngram_w, pld_num_tokens=args.pld_num_tokens, pld_plus_ranking=args.pld_plus_ranking,
+            pld_plus_max_tokens=args.pld_plus_max_tokens, pld_plus_layer=args.pld_plus_layer,
+            pld_plus_num_heads=args.pld_plus_num_heads,
         ),
         sessions=SessionConfig(args.session_mode, args.session_ttl, args.max_sessions),
     )

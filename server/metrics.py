@@ -74,6 +74,9 @@ class ServerMetrics:
         )
         self.session_evictions = self._counter("session_cache_evictions_total", "Cached sessions evicted")
         self.num_sessions = self._gauge("session_cache_num_sessions", "Sessions held in the session cache")
+        self.drafter_state_bytes = self._gauge(
+            "drafter_state_bytes", "Memory of drafter states (hidden states, indexes) of live requests and cached sessions"
+        )
 
     def _export_zero_series(self) -> None:
         """Create every series that has no label besides model_name, so it exports 0 from the start."""
@@ -83,6 +86,7 @@ class ServerMetrics:
             self.preemptions, self.ttft, self.itl, self.e2e, self.step_seconds, self.prompt_tokens, self.generation_tokens,
             self.offered, self.verified, self.planned_tokens, self.planned_seconds, self.step_tokens,
             self.session_hits, self.session_misses, self.session_reused_tokens, self.session_evictions, self.num_sessions,
+            self.drafter_state_bytes,
         ):
             metric.labels(m)
 
@@ -116,6 +120,7 @@ class ServerMetrics:
         self.session_reused_tokens.labels(m).inc(stats.session_reused_tokens)
         self.session_evictions.labels(m).inc(stats.session_evictions)
         self.num_sessions.labels(m).set(stats.num_sessions)
+        self.drafter_state_bytes.labels(m).set(stats.drafter_state_bytes)
 
     def set_engine_healthy(self, healthy: bool) -> None:
         self.engine_healthy.labels(self.model_name).set(1 if healthy else 0)

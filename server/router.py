@@ -62,6 +62,7 @@ async def health(request: Request) -> JSONResponse:
             "num_waiting": stats.num_waiting,
             "kv_cache_usage": stats.kv_cache_usage,
             "num_sessions": stats.num_sessions,
+            "drafter_state_bytes": stats.drafter_state_bytes,
         })
     reason = engine.dead_reason or "the engine is still starting"
     return api_error_response(engine_unavailable(f"the engine is not ready: {reason}"))

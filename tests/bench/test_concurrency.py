@@ -33,7 +33,8 @@ from bench.server_process import free_port, start_process, stop_server
 from engine.model_source import ModelSource
 
 SPEC_KEYS = ("mean_acceptance_length", "drafted_tokens", "verified_draft_tokens")
-# A stand-in OpenAI server: /health answers 200, no /metrics; each chat request appends its `model` to LOG and streams two tokens.
+# A stand-in OpenAI server: /health answers 200, no /metrics; each chat request appends its `model` to LOG (and its
+# session header and max_tokens to LOG.sessions and LOG.max_tokens) and streams two tokens.
 STAND_IN_SERVER = """
 import json, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -48,6 +49,10 @@ class Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with open(log, "a") as f:
             f.write(body["model"] + "\\n")
+        with open(log + ".sessions", "a") as f:
+            f.write((self.headers.get("X-Session-ID") or "-") + "\\n")
+        with open(log + ".max_tokens", "a") as f:
+            f.write(str(body["max_tokens"]) + "\\n")
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -263,6 +268,28 @@ def test_measure_servers_starts_all_up_front_and_drives_them_level_by_level(tmp_
     assert all(r["mean_acceptance_length"] is None for r in rows)  # no /metrics
     assert up_after_level == [[True, True], [True, True]]
     assert not any(answers_health(s) for s in servers)
+
+
+def test_warm_prompts_caches_every_conversation_first_and_fresh_sessions_name_one_per_request(tmp_path):
+    servers = [stand_in(tmp_path, "a")]
+    servers[0].fresh_sessions = True
+    conversations = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "ho"}]]
+    measure_servers(servers, conversations, [2], 1, 4, tmp_path, lambda rows: None, warm_prompts=True)
+    log = tmp_path / "requests.log"
+    assert log.read_text().split() == ["a"] * 4  # two warm-up requests, then the level's two
+    assert (tmp_path / "requests.log.max_tokens").read_text().split() == ["1", "1", "4", "4"]
+    sessions = (tmp_path / "requests.log.sessions").read_text().split()
+    assert len(set(sessions)) == 4 and all(s.startswith("bench-") for s in sessions)  # never a session resumed
+
+
+def test_llama_server_runs_the_same_gguf_plain_or_with_its_ngram_speculation(tmp_path):
+    from bench.llama_server import SPECULATION_FLAGS, llama_server_command
+
+    plain = llama_server_command(tmp_path / "llama-server", "/models/m.gguf", 8123, 16, False, 2)
+    speculative = llama_server_command(tmp_path / "llama-server", "/models/m.gguf", 8123, 16, True, 2)
+    assert plain[plain.index("--parallel") + 1] == "16" and plain[plain.index("--model") + 1] == "/models/m.gguf"
+    assert int(plain[plain.index("--ctx-size") + 1]) >= 16 * 2048 and "--spec-type" not in plain
+    assert speculative == plain + list(SPECULATION_FLAGS) and "ngram-map-k" in SPECULATION_FLAGS
 
 
 def test_measure_servers_stops_every_server_on_error(tmp_path):

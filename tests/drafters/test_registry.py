@@ -15,13 +15,17 @@ def context(tmp_path: Path, vocab=16) -> DrafterContext:
 
 
 def test_registry_builds_by_name(tmp_path):
-    assert DRAFTER_NAMES == ("none", "copyspec", "ngram")
+    assert DRAFTER_NAMES == ("none", "copyspec", "ngram", "pld", "pld-plus")
     assert build_drafter(SpecConfig(drafter="none"), context(tmp_path)) is None
     copy = build_drafter(SpecConfig(drafter="copyspec", copy_gamma=5, copy_max_tokens=7), context(tmp_path))
     assert (copy.gamma, copy.max_tokens) == (5, 7)
     ngram = build_drafter(SpecConfig(drafter="ngram", ngram_k=4, ngram_w=6), context(tmp_path))
     assert (ngram.k, ngram.w) == (4, 6) and ngram.bigram.wait(30) is not None
     assert (tmp_path / "tables").is_dir()
+    plus = build_drafter(SpecConfig(drafter="pld-plus"), context(tmp_path))  # no calibration yet: hidden states
+    assert plus.ranking == "hidden" and plus.captures.hidden_layer == 1 and plus.max_tokens == 70
+    with pytest.raises(ValueError, match="calibrate"):
+        build_drafter(SpecConfig(drafter="pld-plus", pld_plus_ranking="attention"), context(tmp_path))
     with pytest.raises(ValueError, match="unknown drafter"):
         build_drafter(SpecConfig(drafter="nope"), context(tmp_path))
 

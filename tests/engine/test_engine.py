@@ -156,3 +156,59 @@ def test_greedy_speculation_on_cuda_equals_plain_decoding(tiny_model_dir, backen
         assert divergence_verdict(plain.runner.model, prompt, ref, out) != "mismatch", i
     for engine in (plain, speculative):
         assert engine.scheduler.blocks.usage == 0, "no request holds blocks once all finished (sessions may keep theirs)"
+
+
+@pytest.fixture(scope="module")
+def pld_engines(tiny_model_dir, tmp_path_factory):
+    from scheduler.config import SchedulerConfig
+
+    def engine(ranking, **spec):
+        return Engine(EngineConfig(
+            model=ModelConfig(model=tiny_model_dir, device="cpu", cache_dir=str(tmp_path_factory.mktemp("cache"))),
+            scheduler=SchedulerConfig(max_num_seqs=8, use_goodput_planner=False),
+            spec=SpecConfig(drafter=ranking, **spec),
+        ))
+
+    return {"pld": engine("pld"), "pld-plus": engine("pld-plus", pld_plus_ranking="hidden", pld_plus_max_tokens=8)}
+
+
+@pytest.mark.parametrize("drafter", ["pld", "pld-plus"])
+def test_prompt_lookup_drafters_are_exact(engines, pld_engines, drafter):
+    batch = prompts(5, seed=6)
+    params = [SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)] * len(batch)
+    reference = run_to_completion(engines["none"], batch, params)
+    outputs = run_to_completion(pld_engines[drafter], batch, params)
+    assert sum(o.spec.num_accepted_tokens for o in outputs.values()) > 0, "the test must exercise speculation"
+    for i, prompt in enumerate(batch):
+        ref, out = reference[f"req-{i}"].new_token_ids, outputs[f"req-{i}"].new_token_ids
+        assert divergence_verdict(engines["none"].runner.model, prompt, ref, out) != "mismatch", (drafter, i)
+
+
+def test_pld_plus_state_memory_is_reported_bounded_and_freed_when_requests_and_sessions_end(pld_engines):
+    engine = pld_engines["pld-plus"]
+    stats = []
+    run_to_completion(engine, prompts(3, seed=8), [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * 3, stats)
+    assert max(s.drafter_state_bytes for s in stats) > 0
+    assert engine.speculation.drafter.state_bytes() == 0  # every request ended; only cached sessions keep states
+    kept = engine.speculation.state_bytes()
+    assert kept > 0 and len(engine.speculation.session_states) == engine.scheduler.sessions.num_sessions
+    engine.speculation.max_state_bytes = kept // 2
+    engine.speculation._bound_session_states()
+    assert 0 < engine.speculation.state_bytes() <= kept // 2  # least recently used states went
+    engine.scheduler.sessions.reclaim(engine.scheduler.blocks.num_blocks)  # evict every cached session
+    engine.speculation.forget_sessions(engine.scheduler.sessions.take_evicted_keys())
+    assert engine.speculation.state_bytes() == 0
+
+
+def test_a_pld_plus_request_that_cannot_resume_its_state_computes_its_cached_prefix_again(pld_engines):
+    """Positions whose KV comes from a cached session need hidden states too: without the session's drafter state
+    (another conversation's shared prefix, say) the prefix is recomputed, and the drafter observes it."""
+    engine = pld_engines["pld-plus"]
+    system = [1] + list(range(10, 40))  # a prefix longer than a KV block, shared by two conversations
+    params = [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)]
+    run_to_completion(engine, [system + [41, 42]], params)
+    engine.add_request(EngineRequest("other", system + [43, 44, 45], params[0]))
+    req = next(r for r in engine.scheduler.waiting if r.request_id == "other")
+    assert req.num_cached_tokens == 0 and req.num_computed_tokens == 0
+    while engine.has_work:
+        engine.step()

@@ -104,7 +104,7 @@ def test_the_cached_default_model_is_the_gguf_model(default_source):
 
     from engine.model_loader import _eos_token_ids, load_model
 
-    loaded = load_model(ModelConfig(model=None, device="cpu"))
+    loaded = load_model(ModelConfig(model=None, device="cpu", weights="float32"))  # the dequantized cache itself
     assert loaded.source == default_source and loaded.source.name == DEFAULT_MODEL_NAME
     assert loaded.model.config._name_or_path == str(dequantized_dir(default_source))
     gguf = AutoModelForCausalLM.from_pretrained(

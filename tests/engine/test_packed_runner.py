@@ -36,10 +36,17 @@ def reference_logits(model, cache, token_ids, num_logits):
     return out.logits[0]
 
 
-@pytest.mark.parametrize("read_in_place", [True, False], ids=["contiguous-read-in-place", "all-gathered"])
-def test_packed_steps_match_per_request_forwards_through_prefill_drafts_and_rollback(models, read_in_place, monkeypatch):
+PATHS = {"all-gathered": 10**9, "long-chunks-in-place": 1}  # in_place_min_context of each attention path
+
+
+def use_path(runner, path, monkeypatch):
+    monkeypatch.setattr(runner, "in_place_min_context", PATHS[path])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_packed_steps_match_per_request_forwards_through_prefill_drafts_and_rollback(models, path, monkeypatch):
     reference, runner = models
-    monkeypatch.setattr(runner, "in_place_min_context", 1 if read_in_place else 10**9)
+    use_path(runner, path, monkeypatch)
     blocks = KVBlockManager(num_blocks=21, block_size=BLOCK_SIZE)  # exactly enough: some tables end up fragmented
     long_prompt = [1] + [(7 * i) % 40 + 3 for i in range(39)]  # prefilled in two chunks, the first without logits
     prompts = {"a": [1, 5, 9, 13, 7, 3, 22], "b": [1, 30, 31], "c": [1] + list(range(10, 28)), "d": long_prompt[:25]}
@@ -88,10 +95,10 @@ def tree_paths(prefix):
     return paths
 
 
-@pytest.mark.parametrize("read_in_place", [True, False], ids=["contiguous-read-in-place", "all-gathered"])
-def test_every_tree_node_gets_the_logits_of_its_own_path_beside_a_chain_in_the_same_step(models, read_in_place, monkeypatch):
+@pytest.mark.parametrize("path", PATHS)
+def test_every_tree_node_gets_the_logits_of_its_own_path_beside_a_chain_in_the_same_step(models, path, monkeypatch):
     reference, runner = models
-    monkeypatch.setattr(runner, "in_place_min_context", 1 if read_in_place else 10**9)
+    use_path(runner, path, monkeypatch)
     blocks = KVBlockManager(num_blocks=32, block_size=BLOCK_SIZE)
     context, other = [1, 5, 9, 13, 7, 3, 22, 6, 4], [1, 30, 31, 32]
     runner.execute(ForwardBatch([
@@ -205,3 +212,40 @@ def test_flash_backend_matches_sdpa_on_cuda_with_a_tree_in_the_batch(tiny_model_
 def test_a_forward_item_says_everything_as_plain_data():
     item = ForwardItem([7], [0], [3], [0], 0, logit_rows=[0])
     assert item.context_len == 1 and item.is_chain and item.num_tokens == 1
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("weights", ["bfloat16", "int8", "int4"])
+def test_a_tokens_logits_are_bit_identical_whatever_forward_computes_it(tiny_model_dir, path, weights, monkeypatch):
+    """Batch invariance: one prefill of the whole sequence, token-by-token decoding beside another request, and
+    chains of drafts give every position exactly the same logits (with bfloat16 activations a last-bit difference
+    would move them by far more than greedy's near-tie allowance). Not so in float32, whose Linear kernels round
+    a product of few rows differently (there differences stay ~1e-5, within the near-tie rule)."""
+    from engine.weights import apply_weights
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    apply_weights(model, weights)
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    pool = PagedKVPool(config.num_hidden_layers, 64 * BLOCK_SIZE, config.num_key_value_heads, head_dim, torch.float32, torch.device("cpu"))
+    runner = PackedModelRunner(model, torch.device("cpu"), pool, BLOCK_SIZE)
+    use_path(runner, path, monkeypatch)
+    blocks = KVBlockManager(num_blocks=64, block_size=BLOCK_SIZE)
+    tokens = [1] + [(11 * i) % 40 + 3 for i in range(69)]
+    other = [1] + [(5 * i) % 40 + 3 for i in range(20)]
+
+    def logits_in_steps(name: str, chunks: list[int]) -> torch.Tensor:
+        done, rows = 0, []
+        for n in chunks:
+            items = [chain_item(tokens[done:done + n], done, blocks.grow(name, done + n), BLOCK_SIZE, n)]
+            if n < 8:  # another request in the same forward
+                items.append(chain_item(other, 0, blocks.grow(f"{name}-other", len(other)), BLOCK_SIZE, 1))
+                blocks.free(f"{name}-other")
+            rows.append(runner.execute(ForwardBatch(items)).logits[0])
+            done += n
+        blocks.free(name)
+        return torch.cat(rows)
+
+    whole = logits_in_steps("whole", [70])
+    assert torch.equal(logits_in_steps("chains", [50, 5, 4, 7, 4]), whole)
+    assert torch.equal(logits_in_steps("decoding", [50] + [1] * 20), whole)

@@ -148,7 +148,8 @@ def test_unknown_route_and_wrong_method_have_openai_bodies(make_client):
 def test_health_and_models_when_ready(make_client):
     client, _ = make_client()
     assert client.get("/health").json() == {
-        "status": "ok", "num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25, "num_sessions": 3
+        "status": "ok", "num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25, "num_sessions": 3,
+        "drafter_state_bytes": 0,
     }
     models = client.get("/v1/models").json()
     assert models["object"] == "list"

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's llama-server from source, offline: the llama.cpp that PyPI's llama-cpp-python sdist vendors.
+# Usage: build_llama_server.sh OUT_DIR [LLAMA_CPP_PYTHON_VERSION]
+# Leaves OUT_DIR/llama-server (the binary, statically linked to llama.cpp) and OUT_DIR/llama-server.commit.
+# A second run with the same version does nothing. Needs CMake, a C++ compiler and ninja (installed from Debian
+# when missing and running as root), and pip to fetch the sdist. About 10 minutes on 2 idle cores.
+set -euo pipefail
+out_dir=$(realpath -m "$1")
+version=${2:-0.3.36}
+pip=${PIP:-pip}
+stamp="$out_dir/llama-server.version"
+if [ -x "$out_dir/llama-server" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$version" ]; then
+    echo "llama-server $version already built in $out_dir"; exit 0
+fi
+missing=""
+for tool in cmake ninja g++; do command -v "$tool" >/dev/null 2>&1 || missing="$missing $tool"; done
+if [ -n "$missing" ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "installing Debian's cmake, ninja-build and g++ (missing:$missing)"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends cmake ninja-build g++ >/dev/null
+    else
+        echo "llama-server needs$missing; install them (Debian: cmake ninja-build g++) and run again" >&2; exit 1
+    fi
+fi
+work="$out_dir/build-$version"
+rm -rf "$work" && mkdir -p "$work"
+"$pip" download -q --no-deps --no-binary :all: -d "$work" "llama-cpp-python==$version"
+tar -xzf "$work"/llama_cpp_python-"$version".tar.gz -C "$work"
+source_dir=$(realpath "$work/llama_cpp_python-$version/vendor/llama.cpp")  # by its real path: CMake mishandles a symlink
+# The sdist carries no git history; its changelog names the llama.cpp commit it vendors.
+commit=$(grep -m1 -o 'ggml-org/llama.cpp@[0-9a-f]*' "$work/llama_cpp_python-$version/CHANGELOG.md" | cut -d@ -f2)
+cmake -S "$source_dir" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+    -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >/dev/null
+cmake --build "$work/build" --target llama-server -j "$(nproc)"
+install -m 755 "$work/build/bin/llama-server" "$out_dir/llama-server"
+echo "$commit" > "$out_dir/llama-server.commit"
+echo "$version" > "$stamp"
+rm -rf "$work"
+echo "llama-server (llama.cpp $commit, from llama-cpp-python $version) built in $out_dir"

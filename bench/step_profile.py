@@ -1,0 +1,161 @@
+"""Where an engine step's time goes: one decode step and one 16-token verify step, at batch 1 and 16.
+
+In-process engine on the served model. B requests with 512-token contexts (an MT-Redundant
+question, its text repeated as a long first answer, and its second turn) are prefilled; then each measured step is timed phase by phase (schedule, forward, verify,
+update, draft, the wire's encoding of the step's outputs), and the forward's operators
+are timed with torch's profiler and sorted into matmuls, attention, the other tensor
+operators, and what is left of the forward's wall time: Python, transformers' module
+calls and PyTorch's dispatch. A verify step carries 15 drafted tokens per request
+(the planner off, every one verified); its drafts copy the request's own prompt.
+Each figure is the median over the repeats.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import msgspec
+import torch
+
+from bench.mt import turn_prompts
+
+REPEATS = 7
+DRAFT_LEN = 15  # drafted tokens per request in a verify step: 16 tokens with the last real one
+CONTEXT_LEN = 512  # tokens of each request's context when it is measured
+PHASES = ("schedule", "forward", "verify", "update", "draft", "wire")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
+              "aten::mkldnn_linear", "aten::_mkl_linear")
+ATTENTION_OPS = ("scaled_dot_product", "aten::index_select", "aten::index_put_", "aten::masked_fill", "aten::einsum")
+
+
+def category(op_name: str) -> str:
+    if any(op_name.startswith(m) for m in MATMUL_OPS):
+        return "matmuls"
+    if any(a in op_name for a in ATTENTION_OPS):
+        return "attention"
+    return "other operators"
+
+
+class FixedDraft:
+    """Drafts DRAFT_LEN tokens for every request, copied from its own prompt."""
+
+    def __init__(self, drafter) -> None:
+        self.inner = drafter
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, reqs):
+        from drafters.base import Draft
+
+        return [Draft(list(req.prompt_token_ids[:DRAFT_LEN]), "fixed") for req in reqs]
+
+
+def prefilled_engine(config, prompts: list[list[int]]):
+    from engine.engine import Engine
+    from engine.wire import EngineRequest, SamplingParams
+
+    engine = Engine(config)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineRequest(f"p{i}", prompt, SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)))
+    while any(not req.is_decoding for req in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    return engine
+
+
+def timed_step(engine, profile: bool) -> tuple[dict[str, float], dict[str, float] | None, int]:
+    """One step phase by phase (ms), its forward's operators by category (ms) when PROFILE, and its token count."""
+    from contextlib import nullcontext
+
+    from engine.engine import _wire_output
+    from engine.wire import EngineOutputs
+
+    times = {}
+    start = time.perf_counter()
+    sched_out = engine.scheduler.schedule()
+    times["schedule"] = time.perf_counter()
+    profiling = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else nullcontext()
+    with profiling as profiler:
+        batch, model_out = engine._execute(sched_out)
+    times["forward"] = time.perf_counter()
+    results = engine._verify(sched_out.scheduled, model_out)
+    times["verify"] = time.perf_counter()
+    update = engine.scheduler.update(sched_out, results)
+    engine.runner.move_kv(update.kv_moves)
+    times["update"] = time.perf_counter()
+    engine._after_update(sched_out, batch, model_out, results, update)
+    times["draft"] = time.perf_counter()
+    msgspec.msgpack.encode(EngineOutputs([_wire_output(u) for u in update.updates], update.stats))
+    times["wire"] = time.perf_counter()
+    phases, previous = {}, start
+    for phase in PHASES:
+        phases[phase], previous = (times[phase] - previous) * 1000, times[phase]
+    return phases, operator_times(profiler) if profile else None, sched_out.num_scheduled_tokens
+
+
+def operator_times(profiler) -> dict[str, float]:
+    by_category = {"matmuls": 0.0, "attention": 0.0, "other operators": 0.0}
+    for event in profiler.key_averages():
+        if "::" in event.key:
+            by_category[category(event.key)] += event.self_cpu_time_total / 1000
+    return by_category
+
+
+def profile_case(config, prompts: list[list[int]], verify: bool) -> dict:
+    config = replace(config, spec=replace(config.spec, drafter="copyspec" if verify else "none"))
+    engine = prefilled_engine(config, prompts)
+    weights = engine.weights
+    if verify:
+        engine.speculation.drafter = FixedDraft(engine.speculation.drafter)
+        decoding = [req for req in engine.scheduler.running if req.is_decoding]
+        engine.scheduler.set_drafts(decoding, engine.speculation.propose(decoding))
+    timed_step(engine, profile=False)  # one-off work stays out
+    plain = [timed_step(engine, profile=False) for _ in range(REPEATS)]
+    profiled = [timed_step(engine, profile=True) for _ in range(REPEATS)]
+    phases = {p: round(statistics.median(s[0][p] for s in plain), 2) for p in PHASES}
+    operators = {c: round(statistics.median(s[1][c] for s in profiled), 2) for c in profiled[0][1]}
+    operators["python, modules, dispatch"] = round(max(phases["forward"] - sum(operators.values()), 0.0), 2)
+    return {"batch": len(prompts), "step": "verify 16" if verify else "decode", "tokens": plain[0][2], "weights": weights,
+            "step_ms": round(sum(phases.values()), 2), "phases_ms": phases, "forward_ms": operators}
+
+
+def run_step_profile(args, engine_config_from_args, tokenizer, out_dir: Path) -> dict:
+    from bench.data import load_questions
+
+    questions = load_questions("mt-redundant", args.data_dir)
+    prompts = [context_of(tokenizer, q) for q in questions[:16]]
+    base = engine_config_from_args(args, "copyspec")
+    config = replace(base, scheduler=replace(base.scheduler, use_goodput_planner=False, max_num_batched_tokens=4096))
+    rows = [profile_case(config, prompts[:batch], verify) for batch in (1, 16) for verify in (False, True)]
+    results = {"benchmark": "step-profile", "command": "specserve " + shlex.join(sys.argv[1:]),
+               "weights": rows[0]["weights"], "threads": torch.get_num_threads(), "rows": rows}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "results.md").write_text(markdown(results))
+    return results
+
+
+def context_of(tokenizer, question: dict, length: int = CONTEXT_LEN) -> list[int]:
+    """A turn-2 prompt of LENGTH tokens: the question, its own text repeated as the first answer, the second turn."""
+    filler = " ".join([question["turns"][0]] * 20)
+    return turn_prompts(tokenizer, question, filler)[-length:]
+
+
+def markdown(results: dict) -> str:
+    columns = list(results["rows"][0]["phases_ms"]) + list(results["rows"][0]["forward_ms"])
+    lines = [f"# Where a step's time goes ({results['weights']} weights, {results['threads']} threads)", "",
+             f"Command: `{results['command']}`", "",
+             "Milliseconds, median of the repeats. The forward's wall time (unprofiled steps) is split into its "
+             "operators' own times by category (profiled steps; the profiler slows them, so they are upper bounds) and "
+             "what they leave: Python, transformers' module calls and dispatch.", "",
+             "| batch | step | tokens | step ms | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 4)]
+    for row in results["rows"]:
+        values = [*row["phases_ms"].values(), *row["forward_ms"].values()]
+        lines.append(f"| {row['batch']} | {row['step']} | {row['tokens']} | {row['step_ms']:.1f} | "
+                     + " | ".join(f"{v:.1f}" for v in values) + " |")
+    return "\n".join(lines) + "\n"

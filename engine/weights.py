@@ -1,0 +1,189 @@
+"""How the target's Linear layers keep and multiply their weights: `--weights auto|float32|bfloat16|int8|int4`.
+
+- float32: the weights as loaded (a GGUF dequantized exactly to float32).
+- bfloat16: weights rounded to bfloat16; each Linear multiplies in bfloat16 (oneDNN).
+- int8: weight-only int8 with one scale per output channel (symmetric, rounded from
+  the float32 weights), activations in bfloat16 (`aten._weight_int8pack_mm`).
+- int4: weight-only 4-bit in groups of 32 with a scale and a zero per group
+  (`aten._weight_int4pack_mm_for_cpu`), activations in bfloat16. A GGUF's Q4_1 blocks
+  (w = d q + m, 32 weights) map onto it without requantising: scale d, zero m + 8d,
+  the same 4-bit codes; Q4_0 (w = d (q - 8)) with zero 0. What is not exact: the
+  kernel's fast path takes scales, zeros and activations in bfloat16, so d and m lose
+  3 of their 10 mantissa bits (weights move by up to ~0.03 on SmolLM2) and each
+  Linear's input is rounded to bfloat16. Tensors of other GGUF types, and models that
+  are not GGUF, are quantised to 4 bits by rounding each group's range (min to max).
+  The output layer (a GGUF's tied Q8_0 token embedding) is kept as int8.
+
+The served model is the one these weights make: speculation is exact against plain
+decoding of the same mode (tests/engine/test_weights.py), not against float32.
+Norms, attention and the residual stream stay in the model's dtype (float32 on CPU).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.config import WEIGHT_MODES  # the choices live with the config, which imports no torch
+
+logger = logging.getLogger("specserve.engine")
+GROUP_SIZE = 32  # weights per int4 group: a GGUF Q4 block
+INT4_CHANNEL_MULTIPLE = 16  # the int4 CPU kernel needs output channels in multiples of 16
+GGUF_LINEARS = {  # transformers' Llama module name -> the GGUF tensor of layer i
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+class Bf16Linear(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight.to(torch.bfloat16).contiguous())  # [out, in]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+
+
+class Int8Linear(torch.nn.Module):
+    """Symmetric int8 per output channel: w = scale[n] * q[n, k]."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        weight = weight.float()
+        scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12)  # [out]
+        self.register_buffer("q", torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
+        self.register_buffer("scales", scales.to(torch.bfloat16))
+        self.out_features = weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()
+        return torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scales).to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+
+@dataclass
+class Q4Groups:
+    """4-bit codes and per-group affine parameters: w[n, k] = scale[n, g] * (q[n, k] - 8) + zero[n, g], g = k // 32."""
+
+    codes: torch.Tensor  # [out, in] int32 in 0..15
+    scales: torch.Tensor  # [out, in / 32] float32
+    zeros: torch.Tensor  # [out, in / 32] float32
+
+    @classmethod
+    def by_range(cls, weight: torch.Tensor) -> Q4Groups:
+        """Round each group of 32 to 16 levels between its minimum and maximum (for weights not stored as Q4)."""
+        groups = weight.float().reshape(weight.shape[0], -1, GROUP_SIZE)
+        low, high = groups.amin(-1), groups.amax(-1)
+        step = ((high - low) / 15).clamp_min(1e-12)
+        codes = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32)
+        return cls(codes.reshape(weight.shape), step, low + 8 * step)
+
+
+class Int4Linear(torch.nn.Module):
+    def __init__(self, groups: Q4Groups) -> None:
+        super().__init__()
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.codes.contiguous(), 1))
+        scales_and_zeros = torch.stack([groups.scales.T, groups.zeros.T], dim=-1)  # [in / 32, out, 2]
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16).contiguous())
+        self.out_features = groups.codes.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+
+def gguf_q4_groups(tensor, row_order: np.ndarray | None) -> Q4Groups | None:
+    """A GGUF Q4_0 or Q4_1 tensor as Q4Groups, exactly; None for other types. ROW_ORDER undoes llama.cpp's
+    q/k row permutation, as transformers does when it loads the weights (whole rows move, blocks stay intact)."""
+    from gguf import GGMLQuantizationType
+
+    kind = tensor.tensor_type
+    if kind not in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+        return None
+    block_bytes = 18 if kind == GGMLQuantizationType.Q4_0 else 20  # fp16 d (and fp16 m), then 16 bytes of codes
+    raw = np.asarray(tensor.data)
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, block_bytes)
+    d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    m = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32) if block_bytes == 20 else None
+    packed = blocks[:, :, block_bytes - 16:]
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=2).reshape(rows, -1).astype(np.int32)  # low nibbles first
+    zeros = m + 8 * d if m is not None else np.zeros_like(d)
+    if row_order is not None:
+        codes, d, zeros = codes[row_order], d[row_order], zeros[row_order]
+    return Q4Groups(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(d), torch.from_numpy(zeros))
+
+
+def llama_row_order(num_rows: int, num_heads: int) -> np.ndarray:
+    """The rows transformers reads a GGUF q/k weight in (the inverse of llama.cpp's rotary permutation)."""
+    return np.arange(num_rows).reshape(num_heads, num_rows // num_heads // 2, 2).swapaxes(2, 1).reshape(-1)
+
+
+def resolve_weights(mode: str, device: torch.device, gguf_path: str | None) -> str:
+    """The mode `auto` stands for: int4 for a GGUF of Q4 weights where the kernel runs vectorised (CPUs with
+    AVX-512), else float32; and on CUDA the model's dtype as loaded (float32 names it)."""
+    if mode != "auto":
+        return mode
+    if device.type != "cpu":
+        return "float32"
+    if gguf_path and gguf_is_q4(gguf_path) and torch.backends.cpu.get_cpu_capability() == "AVX512":
+        return "int4"
+    return "float32"
+
+
+def gguf_is_q4(path: str) -> bool:
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    kinds = {t.tensor_type for t in GGUFReader(path).tensors if t.name.endswith(("attn_q.weight", "ffn_up.weight"))}
+    return bool(kinds) and kinds <= {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1}
+
+
+@torch.no_grad()
+def apply_weights(model: torch.nn.Module, mode: str, gguf_path: str | None = None) -> None:
+    """Replace the model's Linear layers (and its output layer) by those of MODE; float32 leaves them as they are."""
+    if mode == "float32":
+        return
+    if mode not in WEIGHT_MODES[1:]:
+        raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {mode!r}")
+    tensors = _gguf_tensors(gguf_path) if mode == "int4" and gguf_path else {}
+    num_exact = 0
+    for i, layer in enumerate(model.model.layers):
+        for name in GGUF_LINEARS:
+            parent_name, child_name = name.split(".")
+            parent = getattr(layer, parent_name)
+            linear = getattr(parent, child_name)
+            replacement, exact = _replacement(model.config, mode, linear, tensors.get(f"blk.{i}.{GGUF_LINEARS[name]}.weight"), child_name)
+            setattr(parent, child_name, replacement)
+            num_exact += exact
+    model.lm_head = Bf16Linear(model.lm_head.weight) if mode == "bfloat16" else Int8Linear(model.lm_head.weight)
+    if mode == "int4":
+        total = len(model.model.layers) * len(GGUF_LINEARS)
+        logger.info("int4 weights: %d of %d Linear layers mapped from the GGUF's Q4 blocks, the rest rounded by range",
+                    num_exact, total)
+
+
+def _replacement(config, mode: str, linear: torch.nn.Linear, gguf_tensor, name: str) -> tuple[torch.nn.Module, bool]:
+    if linear.bias is not None:
+        raise ValueError(f"--weights {mode} supports Linear layers without bias only")
+    if mode == "bfloat16":
+        return Bf16Linear(linear.weight), False
+    if mode == "int8":
+        return Int8Linear(linear.weight), False
+    if linear.out_features % INT4_CHANNEL_MULTIPLE or linear.in_features % GROUP_SIZE:
+        raise ValueError(f"--weights int4 needs layers of multiples of {INT4_CHANNEL_MULTIPLE} x {GROUP_SIZE}")
+    groups = None
+    if gguf_tensor is not None:
+        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name)
+        groups = gguf_q4_groups(gguf_tensor, llama_row_order(linear.out_features, heads) if heads else None)
+    return Int4Linear(groups or Q4Groups.by_range(linear.weight)), groups is not None
+
+
+def _gguf_tensors(path: str) -> dict:
+    from gguf import GGUFReader
+
+    return {tensor.name: tensor for tensor in GGUFReader(path).tensors}
