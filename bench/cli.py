@@ -5,7 +5,7 @@ import argparse
 import gc
 from pathlib import Path
 
-from bench.data import MissingDataError, data_path, load_questions, missing_data_message
+from bench.data import MissingDataError, data_path, first_per_category, load_questions, missing_data_message
 
 MT_BENCHMARKS = ("mt-redundant", "mt-bench", "humaneval", "gsm8k")  # conversations, turn by turn
 ALL_DRAFTERS = ("none", "copyspec", "ngram", "hf-greedy", "hf-pld", "llama-server", "llama-server-spec")
@@ -21,6 +21,7 @@ def add_bench_parser(commands, add_engine_flags) -> None:
     add_engine_flags(bench)
     bench.add_argument("--drafters", default=",".join(ALL_DRAFTERS), help=f"comma list from {ALL_DRAFTERS}; 'none' is always run")
     bench.add_argument("--limit", type=int, default=None, help="first N questions only")
+    bench.add_argument("--per-category", type=int, default=None, help="mt-bench, mt-redundant: first N questions of each category")
     bench.add_argument("--max-new-tokens", type=int, default=256)
     bench.add_argument("--out", type=Path, default=None, help="output folder (default bench/results/NAME)")
     bench.add_argument("--data-dir", type=Path, default=None, help="folder with the benchmark data files (default: ../shared/data beside the checkout)")
@@ -158,7 +159,7 @@ def run_mt(args: argparse.Namespace, engine_config_from_args, tokenizer, out_dir
             else:
                 runners[name] = EngineRunner(Engine(engine_config_from_args(args, name)))
         reference_model = runners["none"].engine.runner.model
-        questions = load_questions(args.name, args.data_dir)[: args.limit]
+        questions = first_per_category(load_questions(args.name, args.data_dir), args.per_category)[: args.limit]
         run_mt_benchmark(args.name, questions, runners, tokenizer, reference_model, args, out_dir)
     finally:
         for runner in runners.values():

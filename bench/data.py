@@ -81,3 +81,16 @@ def humaneval_question(index: int, record: dict) -> dict:
 def gsm8k_question(index: int, record: dict) -> dict:
     """The question as it stands: the data README gives no prompt format for GSM8K, and the n-gram paper none either."""
     return {"question_id": index, "category": "gsm8k", "turns": [record["question"]]}
+
+
+def first_per_category(questions: list[dict], per_category: int | None) -> list[dict]:
+    """The first PER_CATEGORY questions of each category, in their order (all of them for None)."""
+    if per_category is None:
+        return questions
+    taken: dict[str, int] = {}
+    chosen = []
+    for question in questions:
+        if taken.get(question["category"], 0) < per_category:
+            taken[question["category"]] = taken.get(question["category"], 0) + 1
+            chosen.append(question)
+    return chosen

@@ -14,15 +14,17 @@ from dataclasses import dataclass
 import torch
 
 # Batch invariance: a token's logits must not depend on the forward it is computed in (decoding, verifying a
-# draft, a prefill chunk, beside other requests). With bfloat16 activations (--weights bfloat16/int8/int4) a
-# last-bit difference upstream flips roundings and moves logits by tenths, far beyond the near-ties greedy
-# exactness allows, and a seeded request would sample differently on a second run that finds its prefix cached.
-# The Linear kernels compute each row alone; attention is made so (engine/paged_attention.py, on the CPU): plain
-# batched matmuls over query rows padded to a multiple of 4 per KV head (rows in a trailing partial group of 4
-# take another kernel and round differently) and over keys padded to a multiple of KEY_MULTIPLE (the softmax's
-# and the matmul's sums then see the same vector lanes whatever the length; padding keys are masked and add
-# exact zeros). Measured on torch 2.13 with MKL; tests/engine/test_packed_runner.py checks it bit for bit.
+# chain or a tree of drafts, a prefill chunk, beside other requests). With bfloat16 activations (--weights
+# bfloat16/int8/int4) a last-bit difference upstream flips roundings and moves logits by tenths, far beyond the
+# near-ties greedy exactness allows, and a seeded request would sample differently on a second run that finds its
+# prefix cached. The Linear kernels compute each row alone; attention is made so on the CPU
+# (engine/paged_attention.py): plain batched matmuls, with the softmax's sum taken by a matmul too (a matmul adds
+# along the keys in order, so masked keys anywhere, such as a tree's other branches, add exact zeros, where a
+# vectorised sum's lanes would shift), over query rows padded to a multiple of 4 per KV head (rows in a trailing
+# partial group of 4 take another kernel) and keys padded to a multiple of 64, at least 384 (MKL blocks fewer
+# keys differently). Measured on torch 2.13 with MKL; tests/engine/test_packed_runner.py checks it bit for bit.
 KEY_MULTIPLE = 64
+MIN_KEYS = 384
 
 
 @dataclass
@@ -46,7 +48,7 @@ class InPlaceSpan:
     query_start: int  # packed index of its first new token
     query_len: int  # Q
     first_slot: int  # pool slot of its KV index 0
-    context_len: int  # L, padded to KEY_MULTIPLE
+    context_len: int  # L, padded (padded_key_len)
     mask: torch.Tensor  # [1, 1, heads_per_kv_head * Q, L] True where a query may look
 
 
@@ -135,7 +137,7 @@ def in_place_span(member: GroupMember, first_slot: int, heads_per_kv_head: int, 
 
 
 def padded_key_len(num_keys: int) -> int:
-    return -(-num_keys // KEY_MULTIPLE) * KEY_MULTIPLE
+    return max(MIN_KEYS, -(-num_keys // KEY_MULTIPLE) * KEY_MULTIPLE)
 
 
 def _tile_mask(mask: torch.Tensor, heads_per_kv_head: int) -> torch.Tensor:

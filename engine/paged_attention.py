@@ -38,7 +38,8 @@ from engine.attention_layout import AttentionGroup, FlashMetadata, InPlaceSpan
 ATTENTION_NAME = "specserve_paged"
 FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs blocks of a multiple of 256 positions
 MAX_GROUPED_QUERY_LEN = 16
-ROW_MULTIPLE = 4  # query rows per KV head of a CPU attention call are padded to a multiple of this (batch invariance)  # sequences with at most this many new tokens share one padded attention call
+ROW_MULTIPLE = 4  # query rows per KV head of a CPU attention call are padded to a multiple of this (batch invariance)
+SUM_COLUMNS = 16  # the softmax's sum as a matmul by ones: one vector of columns (a single column takes another path)  # sequences with at most this many new tokens share one padded attention call
 
 
 def kv_shape(model_config) -> tuple[int, int, int]:
@@ -131,19 +132,22 @@ def _attend_heads_as_rows(
 
 def _row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
     """softmax(q k^T * scale) v in plain batched matmuls, one KV head at a time (its keys read where they lie,
-    nothing copied), whose every row comes out bit for bit the same whatever the other rows and the padding keys
-    (see engine/attention_layout.py); CPU SDPA's fused kernel does not.
-    q [R, kv_heads, rows, d]; k, v [R, kv_heads, L, d], any strides; mask [R, 1, rows, L]."""
+    nothing copied), the softmax's sum a matmul as well; every row comes out bit for bit the same whatever the
+    other rows, the padding keys and the masked keys between its own (see engine/attention_layout.py), which CPU
+    SDPA's fused kernel does not give. q [R, kv_heads, rows, d]; k, v [R, kv_heads, L, d]; mask [R, 1, rows, L]."""
     num_rows = q.shape[2]
     extra = -num_rows % ROW_MULTIPLE
     if extra:  # zero queries that see every key: finite, dropped
         q = F.pad(q, (0, 0, 0, extra))
         mask = F.pad(mask, (0, 0, 0, extra), value=True)
     hidden = ~mask[:, 0]
+    ones = q.new_ones(k.shape[0], k.shape[2], SUM_COLUMNS)
     out = []
     for head in range(k.shape[1]):
         scores = torch.bmm(q[:, head], k[:, head].transpose(1, 2)).mul_(scaling).masked_fill_(hidden, float("-inf"))
-        out.append(torch.bmm(torch.softmax(scores, dim=-1), v[:, head])[:, :num_rows])
+        weights = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
+        total = torch.bmm(weights, ones)[..., :1]
+        out.append(torch.bmm(weights, v[:, head]).div_(total)[:, :num_rows])
     return torch.stack(out, dim=1)
 
 

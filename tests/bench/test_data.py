@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from bench.data import DATASETS, MissingDataError, load_questions
+from bench.data import DATASETS, MissingDataError, first_per_category, load_questions
 from tests.conftest import OUTSIDE_DATA, REPO, TEST_DATA_DIR
 
 
@@ -47,3 +47,9 @@ def test_bench_without_its_data_stops_at_once_with_the_message_and_no_traceback(
 def test_the_guard_fails_a_test_that_opens_the_data_beside_the_checkout():
     with pytest.raises(PermissionError, match="tests/data"):
         open(f"{OUTSIDE_DATA[0]}/data/mt_redundant_question.jsonl")
+
+
+def test_per_category_takes_the_first_questions_of_each_category_in_order():
+    questions = [{"question_id": i, "category": c} for i, c in enumerate("aabacbbc")]
+    assert [q["question_id"] for q in first_per_category(questions, 2)] == [0, 1, 3, 4, 5, 7]
+    assert first_per_category(questions, None) == questions

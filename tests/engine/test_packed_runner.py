@@ -217,6 +217,66 @@ def test_a_forward_item_says_everything_as_plain_data():
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("weights", ["bfloat16", "int8", "int4"])
 def test_a_tokens_logits_are_bit_identical_whatever_forward_computes_it(tiny_model_dir, path, weights, monkeypatch):
+    """Batch invariance: one prefill of the whole sequence, token-by-token decoding beside another request, chains of
+    drafts, and a tree whose path runs between other branches give every position exactly the same logits, with
+    contexts on both sides of the attention's key-padding steps (with bfloat16 activations a last-bit difference
+    would move them by far more than greedy's near-tie allowance). Not so in float32, whose Linear kernels round a
+    product of few rows differently (there differences stay ~1e-5, within the near-tie rule)."""
+    from engine.weights import apply_weights
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    apply_weights(model, weights)
+    assert_batch_invariant(model, path, monkeypatch, vocab=40)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_default_model_is_batch_invariant_with_the_weights_it_is_served_with(path, monkeypatch):
+    """The same on the embedded model (head size 64, where the matmuls' blocking differs from the tiny model's)."""
+    from engine.config import ModelConfig
+    from engine.model_loader import load_model
+
+    assert_batch_invariant(load_model(ModelConfig(weights="int4")).model, path, monkeypatch, vocab=40000)
+
+
+def assert_batch_invariant(model, path, monkeypatch, vocab: int) -> None:
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    pool = PagedKVPool(config.num_hidden_layers, 400 * BLOCK_SIZE, config.num_key_value_heads, head_dim, torch.float32, torch.device("cpu"))
+    runner = PackedModelRunner(model, torch.device("cpu"), pool, BLOCK_SIZE)
+    use_path(runner, path, monkeypatch)
+    blocks = KVBlockManager(num_blocks=400, block_size=BLOCK_SIZE)
+    tokens = [1] + [(1009 * i) % vocab + 3 for i in range(419)]  # 420: keys padded to 384, then to 448
+    other = [1] + [(5 * i) % vocab + 3 for i in range(20)]
+
+    def logits_in_steps(name: str, chunks: list[int]) -> torch.Tensor:
+        done, rows = 0, []
+        for n in chunks:
+            items = [chain_item(tokens[done:done + n], done, blocks.grow(name, done + n), BLOCK_SIZE, n)]
+            if n < 8:  # another request in the same forward
+                items.append(chain_item(other, 0, blocks.grow(f"{name}-other", len(other)), BLOCK_SIZE, 1))
+                blocks.free(f"{name}-other")
+            rows.append(runner.execute(ForwardBatch(items)).logits[0])
+            done += n
+        return torch.cat(rows)
+
+    whole = logits_in_steps("whole", [420])
+    assert torch.equal(logits_in_steps("chains", [300, 77, 5, 4, 7, 27]), whole)
+    assert torch.equal(logits_in_steps("decoding", [370] + [1] * 50), whole)
+    # a tree after 380 tokens: the path 380-381-382 with a sibling beside each of its nodes
+    blocks.shrink("chains", 380)
+    nodes, parents = [tokens[380], 7, tokens[381], 9, tokens[382]], [-1, 0, 0, 2, 2]
+    tree = tree_item(nodes, parents, 380, blocks.grow("chains", 385), BLOCK_SIZE, logit_rows=[0, 2, 4])
+    assert torch.equal(runner.execute(ForwardBatch([tree])).logits[0], whole[380:383])
+
+
+def test_a_forward_item_says_everything_as_plain_data():
+    item = ForwardItem([7], [0], [3], [0], 0, logit_rows=[0])
+    assert item.context_len == 1 and item.is_chain and item.num_tokens == 1
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("weights", ["bfloat16", "int8", "int4"])
+def test_a_tokens_logits_are_bit_identical_whatever_forward_computes_it(tiny_model_dir, path, weights, monkeypatch):
     """Batch invariance: one prefill of the whole sequence, token-by-token decoding beside another request, and
     chains of drafts give every position exactly the same logits (with bfloat16 activations a last-bit difference
     would move them by far more than greedy's near-tie allowance). Not so in float32, whose Linear kernels round
