@@ -154,7 +154,10 @@ async def run_level(url: str, model: str, conversations: list[list[dict]], concu
             timings.append(await stream_turn(client, url, model, queue.get_nowait(), max_tokens, fresh_sessions))
 
     start = time.perf_counter()
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=httpx.Limits(max_connections=concurrency)) as client:
+    # A connection per request: llama-server closed a kept-alive connection under the client's next request
+    # ("Server disconnected without sending a response"); loopback connections cost every server the same little.
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
     return timings, time.perf_counter() - start
 
