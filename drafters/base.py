@@ -113,6 +113,9 @@ class Drafter(Protocol):
     def finish(self, req: DraftableRequest) -> object | None:
         """Forget a request that finished or was aborted; returns its state for the session's next turn."""
 
+    def state_bytes(self) -> int:
+        """Memory its live requests' states hold beyond token ids (a returned state counts its own, `num_bytes`)."""
+
 
 class DrafterBase:
     """Defaults for the parts of the contract most drafters do not need."""
@@ -124,3 +127,6 @@ class DrafterBase:
 
     def preempt(self, req: DraftableRequest) -> None:
         pass
+
+    def state_bytes(self) -> int:
+        return 0

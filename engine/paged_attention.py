@@ -113,13 +113,13 @@ def _gather_blocks(
 
 
 def _attend_heads_as_rows(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float | None
 ) -> torch.Tensor:
     """SDPA for grouped-query attention with the query heads that share a KV head folded into extra query rows of
     that head, so every KV head is read once (on CPU ~1.5x faster than `enable_gqa`, which reads it per query head).
 
     q [R, heads, Q, head_dim]; k, v [R, kv_heads, L, head_dim]; mask [R, 1, Q * heads / kv_heads, L] (already
-    tiled) or None -> [R, heads, Q, head_dim].
+    tiled) -> [R, heads, Q, head_dim].
     """
     num_reqs, heads, query_len, head_dim = q.shape
     rows = q.reshape(num_reqs, k.shape[1], heads // k.shape[1] * query_len, head_dim)

@@ -80,8 +80,7 @@ class Speculation:
         return self.captures.wants_any
 
     def state_bytes(self) -> int:
-        live = self.drafter.state_bytes() if hasattr(self.drafter, "state_bytes") else 0
-        return live + self._session_bytes()
+        return (self.drafter.state_bytes() if self.drafter else 0) + self._session_bytes()
 
     def _session_bytes(self) -> int:
         return sum(getattr(state, "num_bytes", 0) for state in self.session_states.values())
