@@ -8,6 +8,7 @@ from pathlib import Path
 from bench.data import MissingDataError, data_path, first_per_category, load_questions, missing_data_message
 
 MT_BENCHMARKS = ("mt-redundant", "mt-bench", "humaneval", "gsm8k")  # conversations, turn by turn
+RESULTS_DIRS = {"spec-bench": "pld-plus"}  # bench/results/ folder of a benchmark not named after its data set
 ALL_DRAFTERS = ("none", "copyspec", "ngram", "hf-greedy", "hf-pld", "llama-server", "llama-server-spec")
 PEERS = ("transformers-serve", "llama-server", "llama-server-spec")
 SESSION_MODES = ("off", "explicit", "implicit")
@@ -17,7 +18,7 @@ SESSION_DRAFTERS = ("none", "copyspec")  # the drafters `bench sessions` applies
 
 def add_bench_parser(commands, add_engine_flags) -> None:
     bench = commands.add_parser("bench", help="measure speed side by side (results under bench/results/NAME)")
-    bench.add_argument("name", choices=(*MT_BENCHMARKS, "spec-bench", "ngram", "concurrency", "sessions", "step-profile"))
+    bench.add_argument("name", choices=(*MT_BENCHMARKS, "spec-bench", "ngram", "concurrency", "sessions", "step-profile", "soak"))
     add_engine_flags(bench)
     bench.add_argument("--drafters", default=",".join(ALL_DRAFTERS), help=f"comma list from {ALL_DRAFTERS}; 'none' is always run")
     bench.add_argument("--limit", type=int, default=None, help="first N questions only")
@@ -45,6 +46,9 @@ def add_bench_parser(commands, add_engine_flags) -> None:
                             "drafter, all up at once: --kv-cache-memory is each one's (1 GiB fits the default 6 in 24 GB)")
     bench.add_argument("--benchmarks", type=parse_session_benchmarks, default=SESSION_BENCHMARKS,
                        help=f"sessions: comma list from {SESSION_BENCHMARKS}")
+    bench.add_argument("--soak-clients", type=int, default=64, help="soak: concurrent streaming clients")
+    bench.add_argument("--soak-seconds", type=float, default=300.0, help="soak: seconds of load")
+    bench.add_argument("--seed", type=int, default=0, help="soak: seed of the clients' random requests")
     bench.add_argument("--self-correction-limit", type=int, default=20, help="sessions: first N math_reasoning items")
 
 
@@ -90,6 +94,8 @@ def parse_drafters(text: str) -> list[str]:
 
 def data_sets_needed(args: argparse.Namespace) -> list[str]:
     """The data sets benchmark ARGS.name reads."""
+    if args.name == "soak":
+        return []
     if args.name == "sessions":
         return [{"mt-redundant": "mt-redundant", "self-correction": "spec-bench"}[b] for b in args.benchmarks]
     if args.name == "ngram":
@@ -119,7 +125,13 @@ def run_bench(args: argparse.Namespace, engine_config_from_args) -> None:
     from server.tokenizer import load_tokenizer
 
     check_data(args)
-    out_dir = args.out or Path(__file__).resolve().parent / "results" / args.name
+    out_dir = args.out or Path(__file__).resolve().parent / "results" / RESULTS_DIRS.get(args.name, args.name)
+    if args.name == "soak":
+        from bench.soak import run_soak
+
+        run_soak(args, out_dir)
+        print((out_dir / "results.md").read_text())
+        return
     tokenizer = load_tokenizer(engine_config_from_args(args, "none").model)
     if args.name == "concurrency":
         run_concurrency(args, engine_config_from_args, tokenizer, out_dir)
