@@ -10,6 +10,7 @@ import torch
 
 from engine.attention_layout import (
     FlashMetadata, GroupMember, ancestor_matrix, build_group, contiguous_first_slot, in_place_span, padded_key_len, query_mask,
+    tree_paths,
 )
 from engine.forward import ForwardBatch, ForwardItem, ForwardOutput
 from engine.paged_attention import ATTENTION_NAME, MAX_GROUPED_QUERY_LEN, AttentionCapture, PackedBatch, PagedKVPool
@@ -58,13 +59,14 @@ class PackedModelRunner:
 
     # --- attention layout ------------------------------------------------------------------
     def _lay_out(self, packed: PackedBatch, items: list[ForwardItem], members: list[GroupMember]) -> None:
-        others = list(range(len(items)))
-        if self.backend == "flash":
-            chains = [i for i in others if items[i].is_chain]
-            packed.flash = self._flash_metadata([members[i] for i in chains]) if chains else None
-            others = [i for i in others if not items[i].is_chain]  # trees: SDPA, in the same step
-        gathered = [members[i] for i in others if members[i].query_len <= MAX_GROUPED_QUERY_LEN]
-        for member in (members[i] for i in others if members[i].query_len > MAX_GROUPED_QUERY_LEN):
+        chains = [i for i, item in enumerate(items) if item.is_chain]
+        if self.backend == "flash" and chains:
+            packed.flash = self._flash_metadata([members[i] for i in chains])
+            chains = []  # trees: SDPA, in the same step
+        gathered = [path for i, item in enumerate(items) if not item.is_chain
+                    for path in tree_paths(members[i], item.parents, item.slots)]  # see attention_layout.py
+        gathered += [members[i] for i in chains if members[i].query_len <= MAX_GROUPED_QUERY_LEN]
+        for member in (members[i] for i in chains if members[i].query_len > MAX_GROUPED_QUERY_LEN):
             first_slot = self._in_place_first_slot(member)
             if first_slot is None:
                 gathered.append(member)

@@ -112,6 +112,14 @@ def _gather_blocks(
     return gathered.view(num_reqs, num_blocks * block_size, *layer_pool.shape[1:])[:, :max_len]
 
 
+def _gather_group(layer_pool: torch.Tensor, group: AttentionGroup, into: torch.Tensor) -> torch.Tensor:
+    """The group's keys (or values) gathered INTO its scratch buffer, tree paths' node keys put in their places."""
+    gathered = _gather_blocks(layer_pool, group.block_table, group.block_size, group.max_len, into)
+    if group.tail_slots is not None:
+        into.view(-1, *layer_pool.shape[1:]).index_copy_(0, group.tail_keys, layer_pool[group.tail_slots])
+    return gathered
+
+
 def _attend_heads_as_rows(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float | None
 ) -> torch.Tensor:
@@ -159,8 +167,8 @@ def _sdpa(packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: f
         q = packed_query[group.query_index].transpose(1, 2)  # [R, heads, Q, head_dim]
         if group.scratch is None:  # the same size in every layer of the step
             group.scratch = keys.new_empty(2, group.block_table.numel(), group.block_size * keys.shape[1] * keys.shape[2])
-        k = _gather_blocks(keys, group.block_table, group.block_size, group.max_len, group.scratch[0]).transpose(1, 2)
-        v = _gather_blocks(values, group.block_table, group.block_size, group.max_len, group.scratch[1]).transpose(1, 2)
+        k = _gather_group(keys, group, group.scratch[0]).transpose(1, 2)
+        v = _gather_group(values, group, group.scratch[1]).transpose(1, 2)
         o = _attend_heads_as_rows(q, k, v, group.mask, scaling).transpose(1, 2)  # [R, Q, heads, head_dim]
         out[group.packed_index] = o.reshape(num_reqs * max_q, *o.shape[2:])[group.valid]
     for span in batch.spans:

@@ -1,6 +1,8 @@
 """A packed, ragged forward over the paged pool gives each sequence the logits of its own plain forward:
 chains through prefill, drafts and rollback; trees, whose every node sees its own path only; look-ahead rows;
 and the captures drafters ask for (hidden states, attention rows)."""
+from dataclasses import dataclass
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -238,6 +240,18 @@ def test_the_default_model_is_batch_invariant_with_the_weights_it_is_served_with
     assert_batch_invariant(load_model(ModelConfig(weights="int4")).model, path, monkeypatch, vocab=40000)
 
 
+@dataclass
+class TreeLayout:
+    parents: list[int]
+    depths: list[int | None]  # each node's depth on the true path, None for a decoy
+
+
+TREE_LAYOUTS = (
+    TreeLayout([-1, -1, 0, 0, 2, 2, 5, 5, 5], [0, None, 1, None, None, 2, None, None, 3]),  # a decoy root first
+    TreeLayout([-1, 0, 0, 2, 2, 4, 4, 0], [0, None, 1, None, 2, None, 3, None]),  # decoy leaves first
+)
+
+
 def assert_batch_invariant(model, path, monkeypatch, vocab: int) -> None:
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
@@ -262,13 +276,16 @@ def assert_batch_invariant(model, path, monkeypatch, vocab: int) -> None:
     whole = logits_in_steps("whole", [420])
     assert torch.equal(logits_in_steps("chains", [300, 77, 5, 4, 7, 27]), whole)
     assert torch.equal(logits_in_steps("decoding", [370] + [1] * 50), whole)
-    # a tree after 380 tokens: the path 380-381-382 with a sibling beside each of its nodes
-    blocks.shrink("chains", 380)
-    nodes, parents = [tokens[380], 7, tokens[381], 9, tokens[382]], [-1, 0, 0, 2, 2]
-    tree = tree_item(nodes, parents, 380, blocks.grow("chains", 385), BLOCK_SIZE, logit_rows=[0, 2, 4])
-    assert torch.equal(runner.execute(ForwardBatch([tree])).logits[0], whole[380:383])
-
-
-def test_a_forward_item_says_everything_as_plain_data():
-    item = ForwardItem([7], [0], [3], [0], 0, logit_rows=[0])
-    assert item.context_len == 1 and item.is_chain and item.num_tokens == 1
+    # trees whose true path (the sequence's next tokens) runs between other branches, first or not first among
+    # the paths, at several contexts: its nodes get the logits the whole prefill gave those positions
+    for name in ("whole", "chains", "decoding"):
+        blocks.free(name)
+    for start in (380, 391, 402, 411):
+        for i, layout in enumerate(TREE_LAYOUTS):
+            name = f"tree-{start}-{i}"
+            runner.execute(ForwardBatch([chain_item(tokens[:start], 0, blocks.grow(name, start), BLOCK_SIZE, 1)]))
+            nodes = [tokens[start + depth] if depth is not None else 7 + row for row, depth in enumerate(layout.depths)]
+            true_rows = [row for row, depth in enumerate(layout.depths) if depth is not None]
+            tree = tree_item(nodes, layout.parents, start, blocks.grow(name, start + len(nodes)), BLOCK_SIZE, true_rows)
+            assert torch.equal(runner.execute(ForwardBatch([tree])).logits[0], whole[start:start + len(true_rows)]), (start, layout)
+            blocks.free(name)
