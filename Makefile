@@ -9,7 +9,7 @@ TORCH_CPU_VERSION ?= 2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
 STAMP := $(VENV)/.specserve-installed
 
-.PHONY: setup prometheus-tools serve test bench peers clean
+.PHONY: setup prometheus-tools serve test soak bench peers clean
 
 setup: $(STAMP) prometheus-tools
 
@@ -39,6 +39,10 @@ serve: setup
 
 test: setup
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# 64 streaming clients for 5 minutes against a specserve on loopback; report in bench/results/soak/.
+soak: setup
+	$(VENV)/bin/specserve bench soak $(ARGS)
 
 bench: setup
 	$(VENV)/bin/specserve bench mt-redundant --max-new-tokens 256 $(ARGS)

@@ -38,6 +38,15 @@ class RunningServer:
         return self.log_path.read_text(errors="replace")[-4000:]
 
 
+def die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the process that started it dies, however that dies (a test run or
+    benchmark killed outright leaves no server behind; the engine then sees its server gone and exits too)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -55,7 +64,8 @@ def start_process(
     log_path = log_dir / f"server-{port}.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **env} if env else None
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **env} if env else None,
+            preexec_fn=die_with_parent,
         )
     server = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
     try:

@@ -2,6 +2,9 @@
 # Starts `specserve serve` with flags taken from SPECSERVE_* environment variables (see README.md).
 # Arguments given to the container (`docker run IMAGE --copy-gamma 4`) come last, so they win.
 set -eu
+[ -n "${SPECSERVE_DRAIN_TIMEOUT:-}" ] && set -- --drain-timeout "$SPECSERVE_DRAIN_TIMEOUT" "$@"
+[ -n "${SPECSERVE_ENGINE_START_TIMEOUT:-}" ] && set -- --engine-start-timeout "$SPECSERVE_ENGINE_START_TIMEOUT" "$@"
+[ -n "${SPECSERVE_ENGINE_MAX_RESTARTS:-}" ] && set -- --engine-max-restarts "$SPECSERVE_ENGINE_MAX_RESTARTS" "$@"
 [ -n "${SPECSERVE_MAX_SESSIONS:-}" ] && set -- --max-sessions "$SPECSERVE_MAX_SESSIONS" "$@"
 [ -n "${SPECSERVE_SESSION_TTL:-}" ] && set -- --session-ttl "$SPECSERVE_SESSION_TTL" "$@"
 [ -n "${SPECSERVE_SESSION_MODE:-}" ] && set -- --session-mode "$SPECSERVE_SESSION_MODE" "$@"

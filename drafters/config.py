@@ -18,7 +18,6 @@ class SpecConfig:
     pld_plus_max_tokens: int = 70  # PLD+: K, tokens copied after the ranked candidate (the paper's)
     pld_plus_layer: int | None = None  # PLD+(h): hidden-state layer; None = the calibration's, else 9/32 of the depth
     pld_plus_num_heads: int | None = None  # PLD+(a): the calibration's best N heads; None = as many as it chose
-    max_drafter_state_mib: float = 512.0  # drafter states kept for cached sessions beyond this go, least recently used first
 
     def __post_init__(self) -> None:
         for name in ("copy_gamma", "copy_max_tokens", "ngram_k", "ngram_w", "pld_num_tokens", "pld_plus_max_tokens"):
@@ -28,7 +27,5 @@ class SpecConfig:
             raise ValueError("pld_plus_layer must be at least 1")
         if self.pld_plus_num_heads is not None and self.pld_plus_num_heads < 1:
             raise ValueError("pld_plus_num_heads must be at least 1")
-        if self.max_drafter_state_mib < 0:
-            raise ValueError("max_drafter_state_mib must not be negative")
         if self.pld_plus_ranking not in PLD_PLUS_RANKINGS:
             raise ValueError(f"pld_plus_ranking must be one of {PLD_PLUS_RANKINGS}, got {self.pld_plus_ranking!r}")

@@ -16,9 +16,16 @@ from typing import Callable, Generic, Protocol, Sequence, TypeVar
 from drafters.base import Draft, DraftableRequest, DrafterBase, common_prefix_len
 
 
+TOKEN_BYTES = 36  # a token in a Python list: an 8-byte reference and a 28-byte int object (counted as not shared)
+
+
 class CorpusIndex(Protocol):
     def extend(self, token_ids: Sequence[int]) -> None:
         """Index what was appended to TOKEN_IDS since the last call."""
+
+    @property
+    def num_bytes(self) -> int:
+        """Host memory the index holds (an estimate per indexed token, measured)."""
 
 
 IndexT = TypeVar("IndexT", bound=CorpusIndex)
@@ -48,6 +55,10 @@ class SessionCorpus(Generic[IndexT]):
         self.corpus += token_ids
         self.index.extend(self.corpus)
 
+    @property
+    def num_bytes(self) -> int:
+        return TOKEN_BYTES * len(self.corpus) + self.index.num_bytes
+
 
 class CorpusDrafter(DrafterBase, Generic[IndexT]):
     """A drafter that draws on the conversation itself: per request a SessionCorpus with the drafter's own index,
@@ -76,3 +87,6 @@ class CorpusDrafter(DrafterBase, Generic[IndexT]):
 
     def finish(self, req: DraftableRequest) -> SessionCorpus[IndexT] | None:
         return self._corpora.pop(req.request_id, None)
+
+    def state_bytes(self) -> int:
+        return sum(corpus.num_bytes for corpus in self._corpora.values())

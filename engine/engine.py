@@ -47,9 +47,8 @@ class Engine:
             config.scheduler, self.max_model_len, self.eos_token_ids, blocks, LatencyModel(self.latency_profile),
             sessions=sessions,
         )
-        self.speculation = Speculation(
-            build_drafter(config.spec, drafter_context(loaded, config.model)), int(config.spec.max_drafter_state_mib * 2**20)
-        )
+        self.speculation = Speculation(build_drafter(config.spec, drafter_context(loaded, config.model)))
+        self.max_session_host_bytes = int(config.sessions.host_memory_mib * 2**20)
         self.verifier = Verifier()
 
     def ready_message(self) -> EngineReady:
@@ -167,10 +166,22 @@ class Engine:
         if sessions:
             sessions.expire()
 
+    def _bound_session_memory(self) -> int:
+        """Cached sessions' host memory (histories, block lists, drafter states) kept within --session-host-memory,
+        the least recently used evicted first; returns what they hold."""
+        sessions = self.scheduler.sessions
+        held = sessions.host_bytes() + self.speculation.session_state_bytes()
+        while held > self.max_session_host_bytes and sessions.num_sessions:
+            sessions.evict_least_recent()
+            self.speculation.forget_sessions(sessions.take_evicted_keys())
+            held = sessions.host_bytes() + self.speculation.session_state_bytes()
+        return held
+
     def _add_cache_stats(self, stats: StepStats) -> None:
         sessions = self.scheduler.sessions
         if sessions:
             self.speculation.forget_sessions(sessions.take_evicted_keys())
+            stats.session_host_bytes = self._bound_session_memory()
             counts = sessions.take_stats()
             stats.session_hits, stats.session_misses = counts.hits, counts.misses
             stats.session_reused_tokens, stats.session_evictions = counts.reused_tokens, counts.evictions

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import traceback
 
 import msgspec
@@ -87,7 +88,13 @@ class EngineLoop:
 
 
 def run_engine_process(config: EngineConfig, input_address: str, output_address: str) -> None:
-    """Entry point of the child process; reports a fatal error before exiting."""
+    """Entry point of the child process; reports a fatal error before exiting.
+
+    SIGINT and SIGTERM are the server's to act on (Ctrl-C and `kill -- -PGID` reach the whole process group): the
+    server drains and then stops the engine; a server that vanishes is noticed by the engine itself.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO)
     loop = EngineLoop(config, input_address, output_address)
     try:

@@ -5,9 +5,9 @@ The scheduler decides which session a turn resumes and when a session is evicted
 (scheduler/sessions.py); the drafter's state for each cached session is kept here,
 by the session's key, because drafter states may hold tensors (hidden states, say)
 that the scheduler never sees. Their memory is counted in bytes (a state's
-`num_bytes`, and the drafter's `state_bytes()` for its live requests) and the cached
-sessions' states are bounded: past the budget the least recently used go (their
-sessions stay; a next turn then starts its drafter afresh).
+`num_bytes`, and the drafter's `state_bytes()` for its live requests); the engine
+bounds the cached sessions' host memory, these states included, by evicting whole
+sessions (engine/engine.py).
 """
 from __future__ import annotations
 
@@ -22,9 +22,8 @@ from scheduler.request import Request
 
 
 class Speculation:
-    def __init__(self, drafter: Drafter | None, max_state_bytes: int = 2**62) -> None:
+    def __init__(self, drafter: Drafter | None) -> None:
         self.drafter = drafter
-        self.max_state_bytes = max_state_bytes  # bound on the cached sessions' drafter states
         self.session_states: OrderedDict[str, object] = OrderedDict()  # session key -> state, least recently used first
 
     @property
@@ -68,7 +67,6 @@ class Speculation:
         if session_key is not None and state is not None:
             self.session_states[session_key] = state
             self.session_states.move_to_end(session_key)
-            self._bound_session_states()
 
     def forget_sessions(self, keys: list[str]) -> None:
         for key in keys:
@@ -80,11 +78,8 @@ class Speculation:
         return self.captures.wants_any
 
     def state_bytes(self) -> int:
-        return (self.drafter.state_bytes() if self.drafter else 0) + self._session_bytes()
+        """Host memory of drafter states: the live requests' and the cached sessions'."""
+        return (self.drafter.state_bytes() if self.drafter else 0) + self.session_state_bytes()
 
-    def _session_bytes(self) -> int:
-        return sum(getattr(state, "num_bytes", 0) for state in self.session_states.values())
-
-    def _bound_session_states(self) -> None:
-        while self.session_states and self._session_bytes() > self.max_state_bytes:
-            self.session_states.popitem(last=False)
+    def session_state_bytes(self) -> int:
+        return sum(state.num_bytes for state in self.session_states.values())

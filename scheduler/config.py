@@ -33,6 +33,7 @@ class SessionConfig:
     mode: str = "implicit"  # implicit: named sessions and longest cached prefix | explicit: named sessions only | off
     ttl_s: float = 600.0  # seconds a session stays cached after its last use
     max_sessions: int = 256  # sessions cached at once; the least recently used goes first
+    host_memory_mib: float = 512.0  # host memory of cached sessions (histories, drafter states); LRU beyond it
 
     def __post_init__(self) -> None:
         if self.mode not in SESSION_MODES:
@@ -41,3 +42,5 @@ class SessionConfig:
             raise ValueError("session ttl must be positive")
         if self.max_sessions < 1:
             raise ValueError("max_sessions must be at least 1")
+        if self.host_memory_mib < 0:
+            raise ValueError("session host memory must not be negative")

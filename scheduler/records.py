@@ -129,6 +129,7 @@ class StepStats:
     session_evictions: int = 0  # sessions evicted since the last step
     num_sessions: int = 0  # sessions cached after the step
     drafter_state_bytes: int = 0  # memory of drafter states (live requests and cached sessions) after the step
+    session_host_bytes: int = 0  # host memory of cached sessions (histories, block lists, their drafter states)
 
 
 @dataclass

@@ -37,6 +37,9 @@ from scheduler.config import SessionConfig
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.request import Request
 
+TOKEN_BYTES = 36  # a token id in a Python list: an 8-byte reference and a 28-byte int object
+BLOCK_ID_BYTES = 36  # a block id in a list, counted like a token id
+HASH_BYTES = 44  # a 64-bit hash in a list: reference and a 36-byte int object
 NAMED_KEY_PREFIX = "named:"  # sessions the client names
 IMPLICIT_KEY_PREFIX = "implicit:"  # sessions found by their prefix
 
@@ -49,6 +52,11 @@ class Session:
     block_hashes: list[int]  # [len(block_ids)] chained hashes of those blocks' tokens
     num_prompt_tokens: int  # prompt length of the last turn
     last_used: float  # seconds, monotonic clock
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory of its lists (the KV blocks themselves live in the pool, counted there)."""
+        return TOKEN_BYTES * len(self.token_ids) + BLOCK_ID_BYTES * len(self.block_ids) + HASH_BYTES * len(self.block_hashes)
 
 
 @dataclass
@@ -76,6 +84,10 @@ class SessionStore:
     @property
     def num_sessions(self) -> int:
         return len(self.sessions)
+
+    def host_bytes(self) -> int:
+        """Host memory of the cached sessions' histories and block lists (drafter states are the engine's)."""
+        return sum(session.host_bytes for session in self.sessions.values())
 
     def take_stats(self) -> SessionStats:
         stats, self.stats = self.stats, SessionStats()
@@ -154,7 +166,7 @@ class SessionStore:
             self._keys_by_hash.setdefault(block_hash, set()).add(key)
         self._touch(session)
         while len(self.sessions) > self.config.max_sessions:
-            self._evict_least_recent()
+            self.evict_least_recent()
 
     def end(self, request_id: str) -> str | None:
         """The request is gone; returns the key of the session its turn updated, None if it updated none."""
@@ -166,15 +178,15 @@ class SessionStore:
         """Evict least recently used sessions until `num_blocks` more blocks are free, or no session holds one."""
         target = self.blocks.num_free_blocks + num_blocks
         while self.sessions and self.blocks.num_free_blocks < target and self.blocks.num_held_only_blocks:
-            self._evict_least_recent()
+            self.evict_least_recent()
 
     def expire(self) -> None:
         """Evict the sessions unused for longer than the TTL."""
         deadline = self.clock() - self.config.ttl_s
         while self.sessions and next(iter(self.sessions.values())).last_used < deadline:
-            self._evict_least_recent()
+            self.evict_least_recent()
 
-    def _evict_least_recent(self) -> None:
+    def evict_least_recent(self) -> None:
         _, session = self.sessions.popitem(last=False)
         self._drop_blocks(session)
         self.stats.evictions += 1

@@ -14,6 +14,8 @@ logger = logging.getLogger("specserve.server")
 from server.config import Config
 from server.engine_client import EngineClient
 from server.errors import install_error_handlers
+from server.openapi import document_request_bodies
+from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.router import api_router, router
 from server.serving import ServingContext
 
@@ -21,8 +23,9 @@ from server.serving import ServingContext
 def build_app(config: Config, engine: EngineClient, tokenizer: Any) -> FastAPI:
     """The app; its lifespan starts the engine in the background and shuts it down.
 
-    The server listens at once: /health and every endpoint answer 503 until the
-    engine's ready message arrives, and again if the engine dies.
+    The server listens at once: /health (readiness) and every endpoint answer 503 until
+    the engine's ready message arrives, and again while a dead engine is started again;
+    /health/live stays 200 meanwhile (server/engine_client.py, server/supervision.py).
     """
 
     @asynccontextmanager
@@ -39,11 +42,12 @@ def build_app(config: Config, engine: EngineClient, tokenizer: Any) -> FastAPI:
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(api_router)
+    document_request_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest})
     return app
 
 
 async def start_engine(engine: EngineClient) -> None:
-    """Start the engine; a failure leaves it dead with its reason, which /health reports."""
+    """Start the engine; on failure the client gives up (the server exits 1, see server/cli.py) and /health says why."""
     try:
         await engine.start()
         logger.info("engine ready: the server takes traffic")

@@ -53,6 +53,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--session-ttl", type=float, default=SessionConfig.ttl_s, help="seconds a session stays cached after its last use")
     parser.add_argument("--max-sessions", type=int, default=SessionConfig.max_sessions, help="sessions cached at once (LRU)")
+    parser.add_argument("--session-host-memory", type=float, default=SessionConfig.host_memory_mib,
+                        help="MiB of host memory for cached sessions (histories, drafter states); least recently used go first")
 
 
 def engine_config_from_args(args: argparse.Namespace, drafter: str) -> EngineConfig:
@@ -74,7 +76,7 @@ def engine_config_from_args(args: argparse.Namespace, drafter: str) -> EngineCon
             pld_plus_max_tokens=args.pld_plus_max_tokens, pld_plus_layer=args.pld_plus_layer,
             pld_plus_num_heads=args.pld_plus_num_heads,
         ),
-        sessions=SessionConfig(args.session_mode, args.session_ttl, args.max_sessions),
+        sessions=SessionConfig(args.session_mode, args.session_ttl, args.max_sessions, args.session_host_memory),
     )
 
 
@@ -86,24 +88,41 @@ def add_serve_parser(commands) -> None:
     serve.add_argument("--port", type=int, default=ServerConfig.port)
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=f"require this bearer key on /v1 (default: ${API_KEY_ENV})")
+    serve.add_argument("--engine-start-timeout", type=float, default=ServerConfig.engine_start_timeout_s,
+                       help="seconds an engine may take to load before it counts as failed (raise it for large models)")
+    serve.add_argument("--engine-max-restarts", type=int, default=ServerConfig.engine_max_restarts,
+                       help="engine restarts allowed within --engine-restart-window; one more death and the server exits 1")
+    serve.add_argument("--engine-restart-window", type=float, default=ServerConfig.engine_restart_window_s, help="seconds")
+    serve.add_argument("--engine-stall-timeout", type=float, default=ServerConfig.engine_stall_timeout_s,
+                       help="seconds an engine with requests in flight may send nothing before it is treated as dead")
+    serve.add_argument("--drain-timeout", type=float, default=ServerConfig.drain_timeout_s,
+                       help="SIGTERM: seconds requests in flight get to finish while new ones get 503")
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host, port=args.port, served_model_name=args.served_model_name, api_key=args.api_key or None,
+        engine_start_timeout_s=args.engine_start_timeout, engine_max_restarts=args.engine_max_restarts,
+        engine_restart_window_s=args.engine_restart_window, engine_stall_timeout_s=args.engine_stall_timeout,
+        drain_timeout_s=args.drain_timeout,
+    )
 
 
 def serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
+    """Serve until stopped; exit 1 when the engine cannot be kept running (server/supervision.py)."""
     from engine.model_source import resolve_model_source
     from server.app import build_app
-    from server.metrics import ServerMetrics
+    from server.drain import draining_server
     from server.engine_client import EngineClient
+    from server.metrics import ServerMetrics
     from server.tokenizer import load_tokenizer
 
-    config = Config(
-        engine=engine_config_from_args(args, args.drafter),
-        server=ServerConfig(
-            host=args.host, port=args.port, served_model_name=args.served_model_name, api_key=args.api_key or None
-        ),
-    )
+    config = Config(engine=engine_config_from_args(args, args.drafter), server=server_config_from_args(args))
     model_name = config.server.served_model_name or resolve_model_source(config.engine.model.model).name
-    engine = EngineClient(config.engine, config.server.engine_start_timeout_s, ServerMetrics(model_name))
+    engine = EngineClient(config.engine, config.server, ServerMetrics(model_name))
     app = build_app(config, engine, load_tokenizer(config.engine.model))
-    uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="info")
+    server = draining_server(app, app.state.serving, config.server.host, config.server.port)
+    engine.on_give_up = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if engine.gave_up:
+        raise SystemExit(1)

@@ -1,12 +1,14 @@
-"""The server's handle on the engine process: starts and supervises it, and streams outputs per request."""
+"""The server's handle on the engine process: starts it, starts it again when it dies, streams outputs per request."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import os
 import tempfile
+import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import msgspec
 import zmq
@@ -15,7 +17,11 @@ import zmq.asyncio
 from engine.config import EngineConfig
 from engine.process import run_engine_process
 from engine.wire import AbortRequest, EngineDead, EngineOutputs, EngineReady, EngineRequest, FromEngine, RequestOutput, StepStats
+from server.config import ServerConfig
 from server.metrics import ServerMetrics
+from server.supervision import RestartBudget, death_cause, exit_reason
+
+logger = logging.getLogger("specserve.server")
 
 
 class EngineDeadError(RuntimeError):
@@ -30,31 +36,10 @@ class EngineRequestError(ValueError):
     """The engine refused one request (the engine itself is fine)."""
 
 
-class EngineClient:
-    def __init__(self, config: EngineConfig, start_timeout_s: float = 600.0, metrics: ServerMetrics | None = None) -> None:
-        self.config = config
-        self.start_timeout_s = start_timeout_s
-        self.metrics = metrics
-        self.ready: EngineReady | None = None
-        self.last_step_stats = StepStats()
-        self.dead_reason: str | None = None
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._ready_or_dead = asyncio.Event()
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(FromEngine)
-        self._process: multiprocessing.Process | None = None
-        self._reader: asyncio.Task | None = None
+class EngineProcess:
+    """One engine process and the two sockets the server talks to it through."""
 
-    @property
-    def healthy(self) -> bool:
-        return self.ready is not None and self.dead_reason is None
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process else None
-
-    # --- life cycle -----------------------------------------------------------------------
-    async def start(self) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         input_address, output_address = _ipc_addresses()
         self._sync_context = zmq.Context()
         self._to_engine = self._sync_context.socket(zmq.PUSH)
@@ -62,49 +47,188 @@ class EngineClient:
         self._async_context = zmq.asyncio.Context()
         self._from_engine = self._async_context.socket(zmq.PULL)
         self._from_engine.bind(output_address)
-        self._process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process, args=(self.config, input_address, output_address), daemon=True, name="specserve-engine"
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_process, args=(config, input_address, output_address), daemon=True, name="specserve-engine"
         )
-        self._process.start()
-        asyncio.get_running_loop().add_reader(self._process.sentinel, self._on_process_exit)
-        self._reader = asyncio.create_task(self._read_outputs())
-        try:
-            await asyncio.wait_for(self._ready_or_dead.wait(), self.start_timeout_s)
-        except asyncio.TimeoutError:
-            self._mark_dead(f"no ready message within {self.start_timeout_s} s")
-        if not self.healthy:
-            raise EngineDeadError(f"the engine failed to start: {self.dead_reason}")
+        self.dead = False  # the client has seen it die (or stopped it)
+        self.reader: asyncio.Task | None = None  # the client's task reading its outputs
 
-    async def shutdown(self) -> None:
-        if self._process is None:
-            return
-        asyncio.get_running_loop().remove_reader(self._process.sentinel)
-        if self._reader:
-            self._reader.cancel()
-        if self._process.is_alive():
-            self._process.terminate()
-            await asyncio.to_thread(self._process.join, 10)
-        self._mark_dead("the engine was shut down")
+    def send(self, data: bytes) -> None:
+        self._to_engine.send(data)
+
+    async def recv(self) -> bytes:
+        return await self._from_engine.recv()
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+
+    async def reap(self, grace_s: float) -> None:
+        """Wait for the process to end (killing it after GRACE_S), then close the sockets."""
+        await asyncio.to_thread(self.process.join, grace_s)
+        if self.process.is_alive():
+            self.process.kill()
+            await asyncio.to_thread(self.process.join)
+        if self.reader is not None and self.reader is not asyncio.current_task():
+            self.reader.cancel()
         self._to_engine.close(linger=0)
         self._from_engine.close(linger=0)
+        self._sync_context.term()
+        self._async_context.term()
 
-    def _on_process_exit(self) -> None:
-        asyncio.get_running_loop().remove_reader(self._process.sentinel)
-        self._mark_dead(f"the engine process exited with code {self._process.exitcode}")
 
-    def _mark_dead(self, reason: str) -> None:
-        if self.metrics:
-            self.metrics.set_engine_healthy(False)
-        if self.dead_reason is None:
-            self.dead_reason = reason
+class EngineClient:
+    """The server's handle on its engine: starts the engine process, starts it again when it dies or wedges
+    (server/supervision.py), and streams each request's outputs."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        server: ServerConfig = ServerConfig(),
+        metrics: ServerMetrics | None = None,
+        on_give_up: Callable[[], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.server = server
+        self.metrics = metrics
+        self.on_give_up = on_give_up  # called once the restart budget is spent (the server then exits non-zero)
+        self.ready: EngineReady | None = None
+        self.last_step_stats = StepStats()
+        self.dead_reason: str | None = None  # why the current engine is not serving
+        self.gave_up: str | None = None  # why the server stopped restarting engines
+        self.num_restarts = 0
+        self.last_exit_reason: str | None = None
+        self._budget = RestartBudget(server.engine_max_restarts, server.engine_restart_window_s)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FromEngine)
+        self._engine: EngineProcess | None = None
+        self._ready_or_dead = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._last_progress = time.monotonic()  # last output from the engine, or first submission after a quiet spell
+        self._stopping = False
+        self._served = False  # an engine has been ready once: from then on a dead one is started again
+
+    @property
+    def healthy(self) -> bool:
+        """Ready: an engine is up and serving."""
+        return self.ready is not None and self.dead_reason is None
+
+    @property
+    def live(self) -> bool:
+        """The server and its engine supervision work (also while an engine loads or restarts)."""
+        return self.gave_up is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._engine.process.pid if self._engine else None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    # --- life cycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the first engine. One that never becomes ready is not started again (see supervision.py)."""
+        await self._launch()
+        if not self.healthy:
+            self._give_up(f"the engine failed to start: {self.dead_reason}")
+            raise EngineDeadError(self.gave_up)
+        self._served = True
+        self._spawn(self._watch_for_stalls())
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        engine = self._engine
+        if engine is None or engine.dead:
+            return
+        self._on_death(engine, "the engine was shut down")
+        engine.kill()  # it ignores SIGTERM (engine/process.py) and has nothing to flush
+        await engine.reap(grace_s=10)
+
+    async def _launch(self) -> None:
+        engine = self._engine = EngineProcess(self.config)
+        self.ready, self.dead_reason = None, None
+        self._ready_or_dead = asyncio.Event()
+        engine.process.start()
+        asyncio.get_running_loop().add_reader(engine.process.sentinel, self._on_process_exit, engine)
+        engine.reader = self._spawn(self._read_outputs(engine))
+        try:
+            await asyncio.wait_for(self._ready_or_dead.wait(), self.server.engine_start_timeout_s)
+        except asyncio.TimeoutError:
+            self._on_death(engine, f"start_timeout: no ready message within {self.server.engine_start_timeout_s} s")
+            engine.kill()
+
+    def _on_process_exit(self, engine: EngineProcess) -> None:
+        engine.process.join(timeout=0)  # reaps it, so that its exit code is known
+        self._on_death(engine, exit_reason(engine.process.exitcode))
+
+    def _on_death(self, engine: EngineProcess, reason: str) -> None:
+        """ENGINE is gone (or must go): fail what it was doing, and start another unless the server is stopping."""
+        if engine.dead:
+            return
+        engine.dead = True
+        asyncio.get_running_loop().remove_reader(engine.process.sentinel)
+        self.dead_reason = self.dead_reason or reason
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(self.dead_reason))
         self._ready_or_dead.set()
+        if self._stopping:
+            return
+        self.last_exit_reason = reason
+        logger.error("engine died: %s", reason)
+        if self.metrics:
+            self.metrics.engine_died(death_cause(reason))
+        if self._served and self.gave_up is None:
+            self._spawn(self._restart(engine))
+
+    async def _restart(self, dead: EngineProcess) -> None:
+        await dead.reap(grace_s=5)
+        delay = self._budget.next_delay()
+        if delay is None:
+            self._give_up(f"the engine died too often ({self._budget.max_restarts} restarts within "
+                          f"{self._budget.window_s:g} s); last: {self.last_exit_reason}")
+            return
+        logger.warning("starting the engine again in %.0f s", delay)
+        await asyncio.sleep(delay)
+        self.num_restarts += 1
+        if self.metrics:
+            self.metrics.engine_restarted()
+        await self._launch()
+        if self.healthy:
+            logger.info("engine restarted (%d so far): the server takes traffic again", self.num_restarts)
+
+    def _give_up(self, reason: str) -> None:
+        if self.gave_up is not None:
+            return
+        self.gave_up = reason
+        logger.critical("%s: the server stops", reason)
+        if self.on_give_up:
+            self.on_give_up()
+
+    async def _watch_for_stalls(self) -> None:
+        """An engine that has work in flight but sends nothing for longer than the stall bound is treated as dead."""
+        bound = self.server.engine_stall_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, bound / 4))
+            quiet = time.monotonic() - self._last_progress
+            if self.healthy and self._queues and quiet > bound:
+                self._on_death(self._engine, f"wedged: no output for {quiet:.0f} s with {len(self._queues)} requests in flight")
+                self._engine.kill()
+
+    def _spawn(self, coroutine) -> asyncio.Task:
+        task = asyncio.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     # --- outputs --------------------------------------------------------------------------
-    async def _read_outputs(self) -> None:
-        while True:
-            message = self._decoder.decode(await self._from_engine.recv())
+    async def _read_outputs(self, engine: EngineProcess) -> None:
+        while not engine.dead:
+            message = self._decoder.decode(await engine.recv())
+            self._last_progress = time.monotonic()
             if isinstance(message, EngineOutputs):
                 self._dispatch(message)
             elif isinstance(message, EngineReady):
@@ -113,7 +237,7 @@ class EngineClient:
                     self.metrics.set_engine_healthy(True)
                 self._ready_or_dead.set()
             elif isinstance(message, EngineDead):
-                self._mark_dead(message.reason)
+                self._on_death(engine, f"error: {message.reason}")
 
     def _dispatch(self, message: EngineOutputs) -> None:
         self.last_step_stats = message.stats
@@ -130,7 +254,10 @@ class EngineClient:
         if not self.healthy:
             raise EngineDeadError(self.dead_reason or "the engine is not ready")
         queue: asyncio.Queue = asyncio.Queue()
+        if not self._queues:
+            self._last_progress = time.monotonic()  # the stall clock starts when work does
         self._queues[request.request_id] = queue
+        engine = self._engine
         timer = self.metrics.request_timer() if self.metrics else None
         finished = False
         try:
@@ -143,7 +270,7 @@ class EngineClient:
                 yield output
         finally:
             del self._queues[request.request_id]
-            if not finished:
+            if not finished and engine is self._engine:
                 await self.abort(request.request_id)
 
     async def abort(self, request_id: str) -> None:
@@ -151,7 +278,7 @@ class EngineClient:
             self._send(AbortRequest(request_id))
 
     def _send(self, message) -> None:
-        self._to_engine.send(self._encoder.encode(message))
+        self._engine.send(self._encoder.encode(message))
 
 
 def _raise_if_failed(item: RequestOutput | Exception) -> RequestOutput:

@@ -29,6 +29,7 @@ class APIError(Exception):
         type: str = INVALID_REQUEST,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
@@ -36,6 +37,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -49,8 +51,14 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def engine_unavailable(message: str = "the engine is not ready") -> APIError:
-    return APIError(503, message, SERVER_ERROR, code="engine_unavailable")
+def engine_unavailable(message: str = "the engine is not ready", retry_after_s: int | None = None) -> APIError:
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s else None
+    return APIError(503, message, SERVER_ERROR, code="engine_unavailable", headers=headers)
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another replica", SERVER_ERROR, code="shutting_down",
+                    headers={"Retry-After": "1"})
 
 
 def model_not_found(model: str) -> APIError:
@@ -129,7 +137,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def api_error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status_code, headers=headers)
+    return JSONResponse(error.body(), status_code=error.status_code, headers=headers or error.headers)
 
 
 async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:

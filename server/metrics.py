@@ -42,6 +42,10 @@ class ServerMetrics:
         self.num_requests_running = self._gauge("num_requests_running", "Requests in the running batch")
         self.num_requests_waiting = self._gauge("num_requests_waiting", "Requests queued for admission")
         self.engine_healthy = self._gauge("engine_healthy", "1 while the engine process is ready and alive")
+        self.engine_restarts = self._counter("engine_restarts_total", "Engine processes started again after one died")
+        self.engine_deaths = self._counter(
+            "engine_deaths_total", "Engine processes that died, by cause (error, signal, exit, wedged, start_timeout)", ("cause",)
+        )
         self.ttft = self._histogram("time_to_first_token_seconds", "Seconds from submission to the first token")
         self.itl = self._histogram("inter_token_latency_seconds", "Seconds between consecutive output tokens")
         self.e2e = self._histogram("e2e_request_latency_seconds", "Seconds from submission to the last token")
@@ -77,16 +81,19 @@ class ServerMetrics:
         self.drafter_state_bytes = self._gauge(
             "drafter_state_bytes", "Memory of drafter states (hidden states, indexes) of live requests and cached sessions"
         )
+        self.session_host_bytes = self._gauge(
+            "session_host_bytes", "Host memory of cached sessions: token histories, block lists and their drafter states"
+        )
 
     def _export_zero_series(self) -> None:
         """Create every series that has no label besides model_name, so it exports 0 from the start."""
         m = self.model_name
         for metric in (
-            self.num_requests_running, self.num_requests_waiting, self.engine_healthy, self.kv_cache_usage,
+            self.num_requests_running, self.num_requests_waiting, self.engine_healthy, self.engine_restarts, self.kv_cache_usage,
             self.preemptions, self.ttft, self.itl, self.e2e, self.step_seconds, self.prompt_tokens, self.generation_tokens,
             self.offered, self.verified, self.planned_tokens, self.planned_seconds, self.step_tokens,
             self.session_hits, self.session_misses, self.session_reused_tokens, self.session_evictions, self.num_sessions,
-            self.drafter_state_bytes,
+            self.drafter_state_bytes, self.session_host_bytes,
         ):
             metric.labels(m)
 
@@ -121,9 +128,17 @@ class ServerMetrics:
         self.session_evictions.labels(m).inc(stats.session_evictions)
         self.num_sessions.labels(m).set(stats.num_sessions)
         self.drafter_state_bytes.labels(m).set(stats.drafter_state_bytes)
+        self.session_host_bytes.labels(m).set(stats.session_host_bytes)
 
     def set_engine_healthy(self, healthy: bool) -> None:
         self.engine_healthy.labels(self.model_name).set(1 if healthy else 0)
+
+    def engine_died(self, cause: str) -> None:
+        self.set_engine_healthy(False)
+        self.engine_deaths.labels(self.model_name, cause).inc()
+
+    def engine_restarted(self) -> None:
+        self.engine_restarts.labels(self.model_name).inc()
 
     def request_timer(self) -> "RequestTimer":
         return RequestTimer(self)

@@ -1,9 +1,9 @@
 """Reading a request body: size limit (413), JSON (400) and pydantic validation (400)."""
 from __future__ import annotations
 
-import json
 from typing import Any, TypeVar
 
+import msgspec
 import pydantic
 from fastapi import Request
 
@@ -34,9 +34,12 @@ async def read_body(request: Request, max_request_bytes: int) -> bytes:
 
 
 def parse_json(body: bytes) -> Any:
+    """Strict JSON (RFC 8259): invalid UTF-8, lone surrogates and NaN are refused, not passed on to the tokenizer."""
     if not body:
         raise invalid_json("the body is empty")
     try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+        return msgspec.json.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise invalid_json(str(exc)) from None
+    except RecursionError:
+        raise invalid_json("the JSON nests too deeply") from None

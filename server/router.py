@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse, Response
 from server.auth import require_api_key
 from server.chat import create_chat_completion
 from server.completions import create_completion
-from server.errors import APIError, api_error_response, engine_unavailable
+from server.errors import SERVER_ERROR, APIError, api_error_response, engine_unavailable, shutting_down
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from server.request_body import read_request
 from server.serving import ServingContext
@@ -52,9 +52,14 @@ async def metrics(request: Request) -> Response:
 
 
 @router.get("/health")
+@router.get("/health/ready")
 async def health(request: Request) -> JSONResponse:
-    engine = serving_context(request).engine
-    if engine.ready is not None and engine.healthy:
+    """Readiness: 200 while an engine is ready and the server admits requests; 503 (with the reason) otherwise."""
+    context = serving_context(request)
+    engine = context.engine
+    if context.draining:
+        return api_error_response(shutting_down())
+    if engine.healthy:
         stats = engine.last_step_stats
         return JSONResponse({
             "status": "ok",
@@ -63,6 +68,24 @@ async def health(request: Request) -> JSONResponse:
             "kv_cache_usage": stats.kv_cache_usage,
             "num_sessions": stats.num_sessions,
             "drafter_state_bytes": stats.drafter_state_bytes,
+            "session_host_bytes": stats.session_host_bytes,
+            **supervision_fields(engine),
         })
     reason = engine.dead_reason or "the engine is still starting"
     return api_error_response(engine_unavailable(f"the engine is not ready: {reason}"))
+
+
+@router.get("/health/live")
+async def liveness(request: Request) -> JSONResponse:
+    """Liveness: 200 while the server and its engine supervision work, also while an engine loads or restarts;
+    503 once the server gave up restarting engines (it is about to exit)."""
+    context = serving_context(request)
+    engine = context.engine
+    if not engine.live:
+        return api_error_response(APIError(503, f"the server gave up: {engine.gave_up}", SERVER_ERROR, code="gave_up"))
+    state = "draining" if context.draining else "ready" if engine.healthy else "starting"
+    return JSONResponse({"status": "live", "engine": state, **supervision_fields(engine)})
+
+
+def supervision_fields(engine) -> dict:
+    return {"engine_restarts": engine.num_restarts, "last_engine_exit": engine.last_exit_reason}

@@ -26,6 +26,7 @@ from server.errors import (
     engine_unavailable,
     error_of_exception,
     model_not_found,
+    shutting_down,
 )
 from server.generation import Generation, close_outputs
 from server.protocol import MAX_SESSION_ID_LENGTH, PromptTokensDetails, SamplingFields, SpecStatsInfo, Usage
@@ -33,6 +34,7 @@ from server.sse import DONE_EVENT, EventStreamResponse, encode_event
 
 DISCONNECT_POLL_S = 0.5  # seconds between client-disconnect checks of non-streaming requests
 SESSION_HEADER = "X-Session-ID"
+RETRY_AFTER_S = 5  # told to clients while the engine restarts
 T = TypeVar("T")
 
 
@@ -43,11 +45,14 @@ class ServingContext:
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
+        self.draining = False  # SIGTERM arrived: requests in flight finish, new ones get 503 (server/drain.py)
 
     def require_ready(self) -> EngineReady:
+        if self.draining:
+            raise shutting_down()
         ready = self.engine.ready
         if ready is None or not self.engine.healthy:
-            raise engine_unavailable()
+            raise engine_unavailable(retry_after_s=RETRY_AFTER_S if self.engine.live else None)
         return ready
 
     def served_model_name(self, ready: EngineReady) -> str:

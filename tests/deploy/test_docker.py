@@ -33,6 +33,9 @@ ENV_FLAGS = {  # SPECSERVE_* variable -> (a value, the flag it sets): every vari
     "SPECSERVE_SESSION_MODE": ("explicit", "--session-mode"),
     "SPECSERVE_SESSION_TTL": ("120", "--session-ttl"),
     "SPECSERVE_MAX_SESSIONS": ("64", "--max-sessions"),
+    "SPECSERVE_DRAIN_TIMEOUT": ("20", "--drain-timeout"),
+    "SPECSERVE_ENGINE_START_TIMEOUT": ("1800", "--engine-start-timeout"),
+    "SPECSERVE_ENGINE_MAX_RESTARTS": ("3", "--engine-max-restarts"),
 }
 
 

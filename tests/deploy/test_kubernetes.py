@@ -4,7 +4,6 @@ ships; the prometheus-operator kinds against tests/deploy/crd_schemas.py; and th
 (selectors, named ports, probe paths, scale target, the metric the autoscaler reads, session-affinity hashing)."""
 from __future__ import annotations
 
-import subprocess
 
 import jsonschema
 import kubernetes_validate
@@ -13,8 +12,10 @@ import yaml
 from kubernetes_validate import utils as kv_utils
 from packaging.version import Version
 
+from server.config import ServerConfig
+from server.drain import CLOSE_GRACE_S
 from tests.deploy.crd_schemas import CRD_SCHEMAS
-from tests.deploy.tools import K8S, RULES, venv_tool
+from tests.deploy.tools import RULES, render_k8s
 
 BUILT_IN_KINDS = {"Deployment", "Service", "Ingress", "HorizontalPodAutoscaler"}
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
@@ -23,11 +24,8 @@ VERSIONS = (min(kv_utils.all_versions(), key=Version), kv_utils.latest_version()
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, dict]:
-    done = subprocess.run([venv_tool("kubectl"), "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    objects = [o for o in yaml.safe_load_all(done.stdout) if o]
-    by_kind = {o["kind"]: o for o in objects}
-    assert len(by_kind) == len(objects) and set(by_kind) == BUILT_IN_KINDS | CRD_KINDS
+    by_kind = render_k8s()
+    assert set(by_kind) == BUILT_IN_KINDS | CRD_KINDS
     return by_kind
 
 
@@ -60,9 +58,18 @@ def test_deployment_selects_its_pods_requests_a_gpu_and_probes_health(rendered):
     c = container(rendered)
     assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == "1"
     port_names = {p["name"] for p in c["ports"]}
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"]["path"] == "/health" and c[probe]["httpGet"]["port"] in port_names, probe
+    paths = {probe: c[probe]["httpGet"]["path"] for probe in ("startupProbe", "readinessProbe", "livenessProbe")}
+    assert paths == {"startupProbe": "/health/ready", "readinessProbe": "/health/ready", "livenessProbe": "/health/live"}
+    assert all(c[probe]["httpGet"]["port"] in port_names for probe in paths)
     assert spec["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_the_pod_gets_time_to_drain(rendered):
+    pod = rendered["Deployment"]["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in container(rendered)["env"]}
+    drain_s = float(env.get("SPECSERVE_DRAIN_TIMEOUT") or ServerConfig.drain_timeout_s)
+    pre_stop_s = float(container(rendered)["lifecycle"]["preStop"]["exec"]["command"][-1])
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop_s + drain_s + CLOSE_GRACE_S
 
 
 def test_service_reaches_the_pods_and_the_service_monitor_scrapes_it(rendered):

@@ -53,3 +53,17 @@ def poll_until(check: Callable[[], T | None], deadline_s: float, what: str, inte
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} not reached within {deadline_s} s")
         time.sleep(interval_s)  # poll interval, bounded by the deadline
+
+
+def render_k8s() -> dict[str, dict]:
+    """deploy/k8s rendered by kustomize: each object by its kind (one object per kind)."""
+    import subprocess
+
+    import yaml
+
+    done = subprocess.run([venv_tool("kubectl"), "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    objects = [o for o in yaml.safe_load_all(done.stdout) if o]
+    by_kind = {o["kind"]: o for o in objects}
+    assert len(by_kind) == len(objects), "one object per kind"
+    return by_kind

@@ -190,14 +190,40 @@ def test_pld_plus_state_memory_is_reported_bounded_and_freed_when_requests_and_s
     run_to_completion(engine, prompts(3, seed=8), [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * 3, stats)
     assert max(s.drafter_state_bytes for s in stats) > 0
     assert engine.speculation.drafter.state_bytes() == 0  # every request ended; only cached sessions keep states
-    kept = engine.speculation.state_bytes()
-    assert kept > 0 and len(engine.speculation.session_states) == engine.scheduler.sessions.num_sessions
-    engine.speculation.max_state_bytes = kept // 2
-    engine.speculation._bound_session_states()
-    assert 0 < engine.speculation.state_bytes() <= kept // 2  # least recently used states went
-    engine.scheduler.sessions.reclaim(engine.scheduler.blocks.num_blocks)  # evict every cached session
-    engine.speculation.forget_sessions(engine.scheduler.sessions.take_evicted_keys())
-    assert engine.speculation.state_bytes() == 0
+    kept, sessions = engine.speculation.state_bytes(), engine.scheduler.sessions
+    num_sessions = sessions.num_sessions  # these three conversations' and the earlier tests'
+    assert kept > 0 and len(engine.speculation.session_states) == num_sessions >= 3
+    assert stats[-1].session_host_bytes == sessions.host_bytes() + kept  # reported: histories and drafter states
+    bound, engine.max_session_host_bytes = engine.max_session_host_bytes, stats[-1].session_host_bytes // 2
+    try:
+        held = engine._bound_session_memory()
+        assert 0 < held <= engine.max_session_host_bytes and sessions.num_sessions < num_sessions  # least recent went
+    finally:
+        engine.max_session_host_bytes = bound
+    sessions.reclaim(engine.scheduler.blocks.num_blocks)  # evict every cached session
+    engine.speculation.forget_sessions(sessions.take_evicted_keys())
+    assert engine.speculation.state_bytes() == 0 and sessions.host_bytes() == 0
+
+
+def test_cached_sessions_never_hold_more_host_memory_than_the_bound(tiny_model_dir):
+    """Long conversations one after another, with copyspec's per-session index: the sessions' host memory stays
+    within --session-host-memory after every step, the oldest giving way."""
+    from scheduler.config import SessionConfig
+
+    bound_mib = 0.05
+    engine = Engine(EngineConfig(
+        model=ModelConfig(model=tiny_model_dir, device="cpu"), spec=SpecConfig(drafter="copyspec", copy_gamma=2),
+        sessions=SessionConfig(host_memory_mib=bound_mib),
+    ))
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    held = []
+    for i, prompt in enumerate(prompts(12, seed=11)):
+        engine.add_request(EngineRequest(f"conversation-{i}", prompt * 2, params))
+        while engine.has_work:
+            held.append(engine.step().stats.session_host_bytes)
+            assert engine.scheduler.sessions.host_bytes() + engine.speculation.session_state_bytes() == held[-1]
+    assert max(held) <= bound_mib * 2**20
+    assert max(held) > bound_mib * 2**20 / 2 and engine.scheduler.sessions.num_sessions < 12  # it filled, then evicted
 
 
 def test_a_pld_plus_request_that_cannot_resume_its_state_computes_its_cached_prefix_again(pld_engines):

@@ -24,9 +24,14 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
 
 
 class StandInEngine:
-    def __init__(self, ready: EngineReady | None = READY, healthy: bool = True, submit_error=None):
+    def __init__(self, ready: EngineReady | None = READY, healthy: bool = True, submit_error=None, gave_up=None):
         self.ready = ready
         self.healthy = healthy
+        self.gave_up = gave_up
+        self.live = gave_up is None
+        self.num_restarts = 0 if healthy else 1
+        self.last_exit_reason = None if healthy else "signal: the engine process was killed by SIGKILL"
+        self.num_in_flight = 0
         self.submit_error = submit_error
         self.requests = []  # EngineRequests that reached generate
         self.events = []  # "start" / "shutdown"
@@ -76,6 +81,9 @@ def test_invalid_json_is_400(make_client):
     response = client.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
     assert_error(response, 400, code="invalid_json")
     assert_error(client.post("/v1/completions", content=b""), 400, code="invalid_json")
+    for body in (b'{"prompt": "\\ud800"}', b'{"prompt": "\xff\xfe"}', b'{"prompt": "a", "top_p": NaN}', b"[" * 100000 + b"]" * 100000):
+        assert_error(client.post("/v1/completions", content=body, headers={"content-type": "application/json"}), 400,
+                     code="invalid_json")  # strict JSON: nothing the tokenizer or the sampler would choke on
 
 
 @pytest.mark.parametrize(
@@ -147,10 +155,12 @@ def test_unknown_route_and_wrong_method_have_openai_bodies(make_client):
 
 def test_health_and_models_when_ready(make_client):
     client, _ = make_client()
-    assert client.get("/health").json() == {
+    expected = {
         "status": "ok", "num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25, "num_sessions": 3,
-        "drafter_state_bytes": 0,
+        "drafter_state_bytes": 0, "session_host_bytes": 0, "engine_restarts": 0, "last_engine_exit": None,
     }
+    assert client.get("/health").json() == client.get("/health/ready").json() == expected
+    assert client.get("/health/live").json() == {"status": "live", "engine": "ready", "engine_restarts": 0, "last_engine_exit": None}
     models = client.get("/v1/models").json()
     assert models["object"] == "list"
     assert [(m["id"], m["object"]) for m in models["data"]] == [(MODEL, "model")]
@@ -160,9 +170,32 @@ def test_health_and_models_when_ready(make_client):
 def test_not_ready_or_dead_engine_is_503(make_client, engine):
     client, _ = make_client(engine)
     assert_error(client.get("/health"), 503, code="engine_unavailable", type="server_error")
+    assert_error(client.get("/health/ready"), 503, code="engine_unavailable", type="server_error")
+    assert client.get("/health/live").json()["engine"] == "starting"  # live: the supervisor starts an engine
     assert_error(client.get("/v1/models"), 503, code="engine_unavailable", type="server_error")
     for path, body in [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)]:
-        assert_error(client.post(path, json=body), 503, code="engine_unavailable", type="server_error")
+        response = client.post(path, json=body)
+        assert_error(response, 503, code="engine_unavailable", type="server_error")
+        assert response.headers["retry-after"] == "5"
+    assert engine.requests == []
+
+
+def test_a_server_that_gave_up_restarting_its_engine_is_not_live(make_client):
+    client, _ = make_client(StandInEngine(healthy=False, gave_up="the engine died too often"))
+    error = assert_error(client.get("/health/live"), 503, code="gave_up", type="server_error")
+    assert "died too often" in error["message"]
+    assert "retry-after" not in client.post("/v1/completions", json=COMPLETION).headers
+
+
+def test_a_draining_server_refuses_new_requests_with_retry_after(make_client):
+    client, engine = make_client()
+    client.app.state.serving.draining = True
+    for path, body in [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)]:
+        response = client.post(path, json=body)
+        assert_error(response, 503, code="shutting_down", type="server_error")
+        assert response.headers["retry-after"] == "1"
+    assert_error(client.get("/health/ready"), 503, code="shutting_down", type="server_error")
+    assert client.get("/health/live").json()["engine"] == "draining"
     assert engine.requests == []
 
 
