@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -41,6 +42,7 @@ class EngineProcess:
 
     def __init__(self, config: EngineConfig) -> None:
         input_address, output_address = _ipc_addresses()
+        self.socket_files = [address.removeprefix("ipc://") for address in (input_address, output_address)]
         self._sync_context = zmq.Context()
         self._to_engine = self._sync_context.socket(zmq.PUSH)
         self._to_engine.bind(input_address)
@@ -75,6 +77,9 @@ class EngineProcess:
         self._from_engine.close(linger=0)
         self._sync_context.term()
         self._async_context.term()
+        for path in self.socket_files:  # ZeroMQ leaves the files of bound ipc sockets behind
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 class EngineClient:

@@ -6,9 +6,12 @@ server: liveness stays green while an engine restarts, readiness does not.
 """
 from __future__ import annotations
 
+import glob
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import httpx
@@ -39,7 +42,11 @@ def break_engine_mid_stream(server, sig: int) -> tuple[str, float, float]:
     return rest, ended_s, red_s
 
 
-def recover(server, dead_engine: int) -> set[tuple[int | None, int | None]]:
+def socket_files() -> list[str]:
+    return glob.glob(os.path.join(tempfile.gettempdir(), "specserve-*"))
+
+
+def recover(server, dead_engine: int, sockets_before: int) -> set[tuple[int | None, int | None]]:
     """Wait until readiness is green again; every (liveness, readiness) pair seen meanwhile."""
     live, ready = probe_paths()
     seen = set()
@@ -50,6 +57,7 @@ def recover(server, dead_engine: int) -> set[tuple[int | None, int | None]]:
 
     assert wait_for(ready_again, RECOVER_S, interval_s=0.2) is not None, f"no engine within {RECOVER_S} s:\n{server.log()}"
     assert not pid_alive(dead_engine) and engine_pids(server.process.pid) == [server.engine_pid()], "a leaked engine"
+    assert wait_for(lambda: len(socket_files()) == sockets_before, 5) is not None, "the dead engine's ipc files stayed"
     answer = httpx.post(server.api_url + "/chat/completions", json=SHORT, timeout=60)
     assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
     return seen
@@ -60,11 +68,11 @@ def test_a_killed_or_wedged_engine_is_replaced_and_too_many_deaths_stop_the_serv
     server = start_server(tmp_path, "--drafter", "none", "--engine-stall-timeout", "3", "--engine-max-restarts", "2")
     try:
         # 1. SIGKILL mid-stream (a crash, an OOM kill)
-        engine = server.engine_pid()
+        engine, sockets = server.engine_pid(), len(socket_files())
         rest, ended_s, red_s = break_engine_mid_stream(server, signal.SIGKILL)
         assert '"error"' in rest and "engine" in rest and rest.rstrip().endswith("data: [DONE]")
         assert ended_s < FAIL_FAST_S and red_s is not None, (ended_s, red_s)
-        seen = recover(server, engine)
+        seen = recover(server, engine, sockets)
         assert (200, 503) in seen and {live for live, _ in seen} == {200}, seen  # live throughout, not ready meanwhile
         health = httpx.get(server.base_url + "/health").json()
         assert health["engine_restarts"] == 1 and "SIGKILL" in health["last_engine_exit"]
@@ -73,7 +81,7 @@ def test_a_killed_or_wedged_engine_is_replaced_and_too_many_deaths_stop_the_serv
         engine = server.engine_pid()
         rest, ended_s, _ = break_engine_mid_stream(server, signal.SIGSTOP)
         assert '"error"' in rest and ended_s < 3 + FAIL_FAST_S, ended_s
-        recover(server, engine)
+        recover(server, engine, sockets)
         health = httpx.get(server.base_url + "/health").json()
         assert health["engine_restarts"] == 2 and health["last_engine_exit"].startswith("wedged")
         metrics = httpx.get(server.base_url + "/metrics").text
