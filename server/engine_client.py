@@ -167,7 +167,8 @@ class EngineClient:
             engine.kill()
 
     def _on_process_exit(self, engine: EngineProcess) -> None:
-        engine.process.join(timeout=0)  # reaps it, so that its exit code is known
+        engine.process.join(timeout=1)  # reaps it, so that its exit code is known (its sentinel may close a moment
+        # before the kernel lets it be reaped: a non-blocking poll then found no exit code, 1 run in 3)
         self._on_death(engine, exit_reason(engine.process.exitcode))
 
     def _on_death(self, engine: EngineProcess, reason: str) -> None:
