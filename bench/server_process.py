@@ -28,11 +28,15 @@ class RunningServer:
 
     def engine_pid(self) -> int:
         """specserve's engine is the server's child process."""
+        engines = self.engine_pids()
+        if not engines:
+            raise RuntimeError(f"no engine child of server {self.process.pid}")
+        return engines[0]
+
+    def engine_pids(self) -> list[int]:
+        """Every engine process the server has (one, unless an old one leaked)."""
         children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split()
-        for pid in map(int, children):
-            if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text():
-                return pid
-        raise RuntimeError(f"no engine child among {children}")
+        return [pid for pid in map(int, children) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]

@@ -182,7 +182,7 @@ def run_soak(args, out_dir: Path) -> dict:
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     (out_dir / "results.md").write_text(markdown(results))
     plot_memory(report.memory, baseline, out_dir / "memory.png")
-    (out_dir / f"server-{server.base_url.rsplit(':', 1)[1]}.log").unlink(missing_ok=True)
+    server.log_path.unlink(missing_ok=True)
     return results
 
 

@@ -10,6 +10,8 @@ from drafters.tree import chain_parents
 if TYPE_CHECKING:
     import torch
 
+TOKEN_BYTES = 36  # host memory of an int in a Python list: an 8-byte reference and a 28-byte int object
+
 
 class DraftableRequest(Protocol):
     """What a drafter may read of a request: its id and every token so far (prompt + output)."""

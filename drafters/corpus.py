@@ -13,10 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Generic, Protocol, Sequence, TypeVar
 
-from drafters.base import Draft, DraftableRequest, DrafterBase, common_prefix_len
-
-
-TOKEN_BYTES = 36  # a token in a Python list: an 8-byte reference and a 28-byte int object (counted as not shared)
+from drafters.base import TOKEN_BYTES, Draft, DraftableRequest, DrafterBase, common_prefix_len
 
 
 class CorpusIndex(Protocol):

@@ -63,13 +63,12 @@ class InPlaceSpan:
 
 @dataclass
 class GroupMember:
-    """One sequence as the layout sees it."""
+    """One causal chain as the layout sees it (a tree is laid out as the chains of its paths, `tree_paths`)."""
 
     query_start: int  # packed index of its first new token
     query_len: int
     context_len: int  # keys: cached + new
     block_table: list[int]
-    ancestors: torch.Tensor | None = None  # [query_len, query_len] bool, a tree's; None = causal chain
     query_rows: list[int] | None = None  # packed indices of its queries when they are not query_start onwards
     tail_slots: list[int] | None = None  # pool slots of its last keys when they are not where the block table says
 
@@ -116,12 +115,13 @@ def ancestor_matrix(parents: list[int]) -> torch.Tensor:
     return seen
 
 
-def query_mask(member: GroupMember, num_rows: int, num_keys: int) -> torch.Tensor:
-    """[num_rows, num_keys] bool for one sequence; rows past its queries copy its first (their output is dropped)."""
+def query_mask(member: GroupMember, num_rows: int, num_keys: int, ancestors: torch.Tensor | None = None) -> torch.Tensor:
+    """[num_rows, num_keys] bool for one sequence, a chain or (given its ANCESTORS) a tree; rows past its queries
+    copy its first (their output is dropped)."""
     num_cached = member.context_len - member.query_len
     mask = torch.zeros(num_rows, num_keys, dtype=torch.bool)
     mask[:, :num_cached] = True
-    new = member.ancestors if member.ancestors is not None else torch.ones(member.query_len, member.query_len).tril().bool()
+    new = ancestors if ancestors is not None else torch.ones(member.query_len, member.query_len).tril().bool()
     mask[:member.query_len, num_cached:member.context_len] = new
     mask[member.query_len:, num_cached] = True  # padding rows see one key, so their softmax stays finite
     return mask
@@ -137,8 +137,8 @@ def _chain_masks(members: list[GroupMember], max_q: int, max_len: int) -> torch.
 
 
 def build_group(members: list[GroupMember], block_size: int, heads_per_kv_head: int, device: torch.device) -> AttentionGroup:
-    """The padded attention call of R sequences: sequence r's queries are its last query_len of context_len keys."""
-    num_reqs, max_q = len(members), max(m.query_len for m in members)
+    """The padded attention call of R chains: chain r's queries are its last query_len of context_len keys."""
+    max_q = max(m.query_len for m in members)
     max_len = padded_key_len(max(m.context_len for m in members))
     offsets = torch.arange(max_q)
     q_lens = torch.tensor([m.query_len for m in members])
@@ -148,10 +148,7 @@ def build_group(members: list[GroupMember], block_size: int, heads_per_kv_head: 
     max_blocks = -(-max_len // block_size)
     tables = [m.block_table[:max_blocks] for m in members]
     table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])  # [R, max_blocks]
-    if all(m.ancestors is None for m in members):
-        masks = _chain_masks(members, max_q, max_len)
-    else:
-        masks = torch.stack([query_mask(m, max_q, max_len) for m in members])
+    masks = _chain_masks(members, max_q, max_len)
     mask = _tile_mask(masks[:, None], heads_per_kv_head).to(device)
     group = AttentionGroup(
         query_index.to(device), table.to(device), block_size, max_len, mask,

@@ -121,7 +121,8 @@ class PackedModelRunner:
 
     def _attention_capture(self, index: int, item: ForwardItem, member: GroupMember) -> AttentionCapture:
         num_blocks = -(-item.context_len // self.block_size)
-        mask = query_mask(member, item.num_tokens, item.context_len)[item.attention_rows]
+        ancestors = ancestor_matrix(item.parents) if item.parents is not None else None
+        mask = query_mask(member, item.num_tokens, item.context_len, ancestors)[item.attention_rows]
         return AttentionCapture(
             index, self._tensor([member.query_start + row for row in item.attention_rows]),
             self._tensor(item.block_table[:num_blocks]), item.context_len, mask.to(self.device),
@@ -187,5 +188,4 @@ def _starts(items: list[ForwardItem]) -> list[int]:
 
 
 def _member(item: ForwardItem, start: int) -> GroupMember:
-    ancestors = ancestor_matrix(item.parents) if item.parents is not None else None
-    return GroupMember(start, item.num_tokens, item.context_len, item.block_table, ancestors)
+    return GroupMember(start, item.num_tokens, item.context_len, item.block_table)

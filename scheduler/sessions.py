@@ -32,13 +32,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
-from drafters.base import common_prefix_len
+from drafters.base import TOKEN_BYTES, common_prefix_len
 from scheduler.config import SessionConfig
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.request import Request
 
-TOKEN_BYTES = 36  # a token id in a Python list: an 8-byte reference and a 28-byte int object
-BLOCK_ID_BYTES = 36  # a block id in a list, counted like a token id
 HASH_BYTES = 44  # a 64-bit hash in a list: reference and a 36-byte int object
 NAMED_KEY_PREFIX = "named:"  # sessions the client names
 IMPLICIT_KEY_PREFIX = "implicit:"  # sessions found by their prefix
@@ -56,7 +54,7 @@ class Session:
     @property
     def host_bytes(self) -> int:
         """Host memory of its lists (the KV blocks themselves live in the pool, counted there)."""
-        return TOKEN_BYTES * len(self.token_ids) + BLOCK_ID_BYTES * len(self.block_ids) + HASH_BYTES * len(self.block_hashes)
+        return TOKEN_BYTES * (len(self.token_ids) + len(self.block_ids)) + HASH_BYTES * len(self.block_hashes)
 
 
 @dataclass

@@ -1,27 +1,18 @@
 """Disconnects free their work; a dead engine turns /health red and fails requests cleanly."""
 import os
 import signal
-import time
 
 import httpx
 import pytest
 
 from bench.server_process import start_server, stop_server
+from tests.reliability.helpers import pid_alive, wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
 LONG_REQUEST = {
     "model": MODEL, "stream": True, "max_tokens": 3000, "temperature": 0.8, "seed": 1,
     "messages": [{"role": "user", "content": "Tell me a very long story about a lighthouse keeper."}],
 }
-
-
-def wait_for(predicate, deadline_s: float) -> bool:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)  # polling interval, bounded by the deadline
-    return False
 
 
 def engine_idle(server) -> bool:
@@ -78,15 +69,8 @@ def test_the_engine_exits_when_its_server_is_killed(tmp_path):
     os.kill(server.process.pid, signal.SIGKILL)
     server.process.wait(timeout=10)
 
-    def engine_gone() -> bool:
-        try:
-            state = open(f"/proc/{engine_pid}/stat").read().split()[2]
-        except FileNotFoundError:
-            return True
-        return state == "Z"  # exited, waiting to be reaped by init
-
     try:
-        assert wait_for(engine_gone, deadline_s=15), "an orphaned engine kept running"
+        assert wait_for(lambda: not pid_alive(engine_pid), deadline_s=15), "an orphaned engine kept running"
     finally:
         try:
             os.killpg(server.process.pid, signal.SIGKILL)  # whatever is left of the group
