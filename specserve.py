@@ -36,7 +36,7 @@ def calibrate_pld_plus(args: argparse.Namespace) -> None:
 
     from engine.calibration import run_calibration
     from engine.calibration_prompts import CALIBRATION_PROMPTS
-    from server.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer
 
     logging.basicConfig(level=logging.INFO)
     config = engine_config_from_args(args, "none")

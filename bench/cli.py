@@ -14,14 +14,15 @@ PEERS = ("transformers-serve", "llama-server", "llama-server-spec")
 SESSION_MODES = ("off", "explicit", "implicit")
 SESSION_BENCHMARKS = ("mt-redundant", "self-correction")
 SESSION_DRAFTERS = ("none", "copyspec")  # the drafters `bench sessions` applies; the HTTP server has no hf-* peers
+API_VARIANTS = ("plain", "logprobs", "penalties", "repetition_penalty", "logit_bias", "json_schema", "tool_call")
 
 
 def add_bench_parser(commands, add_engine_flags) -> None:
     bench = commands.add_parser("bench", help="measure speed side by side (results under bench/results/NAME)")
-    bench.add_argument("name", choices=(*MT_BENCHMARKS, "spec-bench", "ngram", "concurrency", "sessions", "step-profile", "soak"))
+    bench.add_argument("name", choices=(*MT_BENCHMARKS, "spec-bench", "ngram", "concurrency", "sessions", "step-profile", "soak", "api"))
     add_engine_flags(bench)
     bench.add_argument("--drafters", default=",".join(ALL_DRAFTERS), help=f"comma list from {ALL_DRAFTERS}; 'none' is always run")
-    bench.add_argument("--limit", type=int, default=None, help="first N questions only")
+    bench.add_argument("--limit", type=int, default=None, help="first N questions only (api: default 8)")
     bench.add_argument("--per-category", type=int, default=None, help="mt-bench, mt-redundant: first N questions of each category")
     bench.add_argument("--max-new-tokens", type=int, default=256)
     bench.add_argument("--out", type=Path, default=None, help="output folder (default bench/results/NAME)")
@@ -50,6 +51,8 @@ def add_bench_parser(commands, add_engine_flags) -> None:
     bench.add_argument("--soak-seconds", type=float, default=300.0, help="soak: seconds of load")
     bench.add_argument("--seed", type=int, default=0, help="soak: seed of the clients' random requests")
     bench.add_argument("--self-correction-limit", type=int, default=20, help="sessions: first N math_reasoning items")
+    bench.add_argument("--variants", type=parse_api_variants, default=API_VARIANTS,
+                       help=f"api: comma list of request-field variants from {API_VARIANTS}")
 
 
 def parse_ints(text: str) -> tuple[int, ...]:
@@ -84,6 +87,13 @@ def parse_session_benchmarks(text: str) -> tuple[str, ...]:
     return names
 
 
+def parse_api_variants(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    if not names or not set(names) <= set(API_VARIANTS):
+        raise argparse.ArgumentTypeError(f"variants are {API_VARIANTS}")
+    return names
+
+
 def parse_drafters(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = sorted(set(names) - set(ALL_DRAFTERS))
@@ -102,7 +112,7 @@ def data_sets_needed(args: argparse.Namespace) -> list[str]:
         from bench.ngram import DATASETS
 
         return list(DATASETS)
-    if args.name in ("concurrency", "step-profile"):
+    if args.name in ("concurrency", "step-profile", "api"):
         return ["mt-redundant"]
     if args.name == "spec-bench":
         return ["spec-bench", "mt-redundant"]
@@ -122,7 +132,7 @@ def check_data(args: argparse.Namespace) -> None:
 
 
 def run_bench(args: argparse.Namespace, engine_config_from_args) -> None:
-    from server.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer
 
     check_data(args)
     out_dir = args.out or Path(__file__).resolve().parent / "results" / RESULTS_DIRS.get(args.name, args.name)
@@ -149,6 +159,8 @@ def run_bench(args: argparse.Namespace, engine_config_from_args) -> None:
         run_step_profile(args, engine_config_from_args, tokenizer, out_dir)
     elif args.name == "sessions":
         run_sessions(args, out_dir)
+    elif args.name == "api":
+        run_api(args, tokenizer, out_dir)
     else:
         run_mt(args, engine_config_from_args, tokenizer, out_dir)
     print((out_dir / "results.md").read_text())
@@ -222,6 +234,18 @@ def specserve_engine_flags(args: argparse.Namespace) -> list[str]:
     if getattr(args, "no_goodput_planner", False):
         flags.append("--no-goodput-planner")
     return flags
+
+
+def run_api(args: argparse.Namespace, tokenizer, out_dir: Path) -> None:
+    """MT-Redundant turn 2 with each request-field variant, through specserve with drafter none and copyspec; a copyspec
+    output that differs from none's fails the command once the table is out."""
+    from bench.api import run_api_benchmark
+
+    results = run_api_benchmark(args, specserve_engine_flags(args), tokenizer, out_dir)
+    if results["mismatches"]:
+        print((out_dir / "results.md").read_text())
+        raise SystemExit(f"lossless check failed: {len(results['mismatches'])} copyspec outputs differ from none's "
+                         f"(see {out_dir / 'results.md'})")
 
 
 def run_sessions(args: argparse.Namespace, out_dir: Path) -> None:

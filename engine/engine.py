@@ -5,18 +5,23 @@ import time
 
 import torch
 
+from drafters.base import Draft
 from drafters.registry import build_drafter
 from engine.batching import forward_batch
 from engine.config import CacheConfig, EngineConfig
 from engine.drafter_context import drafter_context
 from engine.forward import ForwardBatch, ForwardOutput
+from engine.grammar import GrammarError, Grammars
 from engine.model_loader import LoadedModel, load_model
 from engine.packed_runner import PackedModelRunner
 from engine.paged_attention import FLASH_BLOCK_SIZE, PagedKVPool, kv_shape, resolve_attention_backend
 from engine.profiler import profile_forward_latency
 from engine.speculation import Speculation
+from engine.tokenizer import load_tokenizer
 from engine.verifier import Verifier
-from engine.wire import EngineError, EngineOutputs, EngineReady, EngineRequest, RequestOutput, StepStats
+from engine.wire import (
+    EngineError, EngineOutputs, EngineReady, EngineRequest, RequestOutput, StepStats, TokenLogprob,
+)
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.latency import LatencyModel
 from scheduler.records import RequestUpdate, ScheduledRequest, SchedulerOutput, StepUpdate, Verification
@@ -49,7 +54,8 @@ class Engine:
         )
         self.speculation = Speculation(build_drafter(config.spec, drafter_context(loaded, config.model)))
         self.max_session_host_bytes = int(config.sessions.host_memory_mib * 2**20)
-        self.verifier = Verifier()
+        self.grammars = Grammars(lambda: load_tokenizer(config.model), self.vocab_size, self.eos_token_ids)
+        self.verifier = Verifier(self.grammars)
 
     def ready_message(self) -> EngineReady:
         return EngineReady(
@@ -60,6 +66,7 @@ class Engine:
             num_kv_blocks=self.scheduler.blocks.num_blocks,
             kv_block_size=self.scheduler.blocks.block_size,
             weights=self.weights,
+            vocab_size=self.vocab_size,
         )
 
     # --- requests in ----------------------------------------------------------------------
@@ -68,11 +75,16 @@ class Engine:
 
         Raises scheduler.admission.QueueFullError when the queue is full.
         """
-        error = self._validate(request)
+        error = self._validate(request) or self._begin_grammar(request)
         if error:
             return RequestOutput(request.request_id, [], finish_reason="error", error=EngineError("invalid_request", error))
         req = Request(request.request_id, list(request.prompt_token_ids), request.sampling, request.session_id)
-        resumed = self.speculation.begin(req, self.scheduler.add_request(req))
+        try:
+            session_key = self.scheduler.add_request(req)
+        except Exception:
+            self.grammars.finish(request.request_id)
+            raise
+        resumed = self.speculation.begin(req, session_key)
         if req.num_cached_tokens and not resumed and self.speculation.needs_every_position:
             self.scheduler.drop_cached_prefix(req)  # its drafter never saw what the target computed there
         return None
@@ -87,6 +99,18 @@ class Engine:
             return f"prompt token ids must lie in [0, {self.vocab_size})"
         if request.sampling.max_tokens < 1:
             return "max_tokens must be at least 1"
+        if any(not 0 <= token_id < self.vocab_size for token_id in request.sampling.logit_bias):
+            return f"logit_bias token ids must lie in [0, {self.vocab_size})"
+        return None
+
+    def _begin_grammar(self, request: EngineRequest) -> str | None:
+        """Start the request's grammar matcher; the reason when its grammar does not compile."""
+        if request.sampling.grammar is None:
+            return None
+        try:
+            self.grammars.begin(request.request_id, request.sampling.grammar)
+        except GrammarError as exc:
+            return f"the grammar does not compile: {exc}"
         return None
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -120,26 +144,34 @@ class Engine:
         self._expire_sessions()
         sched_out = self.scheduler.schedule()
         batch, model_out = self._execute(sched_out)
-        results = self._verify(sched_out.scheduled, model_out)
+        results, logprobs = self._verify(sched_out.scheduled, model_out)
         update = self.scheduler.update(sched_out, results)
         self.runner.move_kv(update.kv_moves)
         self._after_update(sched_out, batch, model_out, results, update)
         update.stats.step_seconds = time.perf_counter() - start
         self.scheduler.observe_step_seconds(sched_out, update.stats.step_seconds)
-        return EngineOutputs(outputs=[_wire_output(u) for u in update.updates], stats=update.stats)
+        outputs = [_wire_output(u, logprobs.get(u.request_id)) for u in update.updates]
+        return EngineOutputs(outputs=outputs, stats=update.stats)
 
     def _execute(self, sched_out: SchedulerOutput) -> tuple[ForwardBatch, ForwardOutput | None]:
         self.speculation.preempt(sched_out.preempted)
         batch = forward_batch(sched_out.scheduled, self.runner.block_size, self.speculation.captures)
         return batch, (self.runner.execute(batch) if batch.items else None)
 
-    def _verify(self, scheduled: list[ScheduledRequest], model_out: ForwardOutput | None) -> list[Verification]:
-        return [
-            self.verifier.verify(
-                item.req.request_id, item.req.sampling, logits, item.draft_token_ids, item.draft_parents,
-            ) if item.num_logits else Verification([])
-            for item, logits in zip(scheduled, model_out.logits if model_out else [])
-        ]
+    def _verify(
+        self, scheduled: list[ScheduledRequest], model_out: ForwardOutput | None,
+    ) -> tuple[list[Verification], dict[str, list[TokenLogprob]]]:
+        """Each request's verification, and the emitted tokens' log-probabilities of those that asked."""
+        results, logprobs = [], {}
+        for item, logits in zip(scheduled, model_out.logits if model_out else []):
+            if not item.num_logits:
+                results.append(Verification([]))
+                continue
+            result, request_logprobs = self.verifier.verify(item.req, logits, item.draft_token_ids, item.draft_parents)
+            results.append(result)
+            if request_logprobs is not None:
+                logprobs[item.req.request_id] = request_logprobs
+        return results, logprobs
 
     def _after_update(
         self, sched_out: SchedulerOutput, batch: ForwardBatch, model_out: ForwardOutput | None,
@@ -154,8 +186,15 @@ class Engine:
             else:
                 self.speculation.extend(req, request_update.new_token_ids)
         decoding = [req for req in self.scheduler.running if req.is_decoding]
-        self.scheduler.set_drafts(decoding, self.speculation.propose(decoding))
+        self.scheduler.set_drafts(decoding, self._grammatical(decoding, self.speculation.propose(decoding)))
         self._add_cache_stats(update.stats)
+
+    def _grammatical(self, reqs: list[Request], drafts: list[Draft]) -> list[Draft]:
+        """Drafts cut to what each request's grammar allows, so that forbidden tokens are never verified."""
+        return [
+            self.grammars.cut_draft(req.request_id, draft) if self.grammars.has(req.request_id) else draft
+            for req, draft in zip(reqs, drafts)
+        ]
 
     def _release(self, req: Request) -> None:
         self.verifier.finish(req.request_id)
@@ -189,10 +228,12 @@ class Engine:
         stats.drafter_state_bytes = self.speculation.state_bytes()
 
 
-def _wire_output(update: RequestUpdate) -> RequestOutput:
+def _wire_output(update: RequestUpdate, logprobs: list[TokenLogprob] | None) -> RequestOutput:
+    """LOGPROBS cover every token the walk emitted; the update keeps those before a stop."""
     return RequestOutput(
         request_id=update.request_id, new_token_ids=update.new_token_ids, finish_reason=update.finish_reason,
         num_prompt_tokens=update.num_prompt_tokens, spec=update.spec, num_cached_tokens=update.num_cached_tokens,
+        logprobs=logprobs[:len(update.new_token_ids)] if logprobs is not None else None,
     )
 
 

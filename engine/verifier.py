@@ -15,15 +15,25 @@ is what sampling x ~ p and accepting the sibling equal to x does. A depth's toke
 depends on its distribution and uniform alone, never on what was drafted, so a
 seeded request samples the same tokens with or without speculation. p is the
 distribution plain sampling draws from (engine/sampler.py's target_probs).
+
+A request that changes its logits (penalties, bias, a grammar) or asks for
+log-probabilities is walked one position at a time through its LogitsProcessor
+(engine/logits_processing.py), which counts the tokens emitted earlier in the walk:
+the walk reaches a position only through the tokens plain decoding would have
+emitted before it, so each position's distribution is plain decoding's there.
 """
 from __future__ import annotations
 
 import torch
 
 from drafters.tree import ROOT, children, depths
+from engine.grammar import Grammars
+from engine.logits_processing import LogitsProcessor
+from engine.logprobs import token_logprob
 from engine.sampler import UniformStream, inverse_cdf_samples, target_probs
-from engine.wire import SamplingParams
+from engine.wire import SamplingParams, TokenLogprob
 from scheduler.records import Verification
+from scheduler.request import Request
 
 
 def walk_tree(choose, draft_token_ids: list[int], draft_parents: list[int]) -> Verification:
@@ -56,23 +66,60 @@ def verify_sampled(
     )
 
 
+def processed_chooser(
+    processor: LogitsProcessor, logits: torch.Tensor, uniforms: list[float] | None, logprobs: list[TokenLogprob],
+):
+    """choose(row, depth) for walk_tree over processed logits; appends each emitted token's logprob if asked."""
+    params = processor.params
+
+    def choose(row: int, depth: int) -> int:
+        processed = processor.apply(logits[row])
+        if params.greedy:
+            token = int(processed.argmax())
+        else:
+            token = inverse_cdf_samples(target_probs(processed[None], params), [uniforms[depth]])[0]
+        if params.logprobs is not None:
+            logprobs.append(token_logprob(processed, token, params))
+        processor.emit(token)
+        return token
+
+    return choose
+
+
 class Verifier:
     """Verifies each request's draft tree; sampled requests draw from one uniform stream each (seeded when asked)."""
 
-    def __init__(self) -> None:
+    def __init__(self, grammars: Grammars) -> None:
         self._streams: dict[str, UniformStream] = {}
+        self.grammars = grammars
 
     def verify(
-        self, request_id: str, params: SamplingParams, logits: torch.Tensor, draft_token_ids: list[int],
-        draft_parents: list[int],
+        self, req: Request, logits: torch.Tensor, draft_token_ids: list[int], draft_parents: list[int],
+    ) -> tuple[Verification, list[TokenLogprob] | None]:
+        """The walk's result, and the emitted tokens' log-probabilities when the request asked for them."""
+        params = req.sampling
+        uniforms = None if params.greedy else self._stream(req.request_id, params).next(
+            max(depths(draft_parents), default=0) + 1
+        )
+        if params.processes_logits or params.logprobs is not None:
+            logprobs: list[TokenLogprob] = []
+            processor = LogitsProcessor(req, self.grammars)
+            result = walk_tree(processed_chooser(processor, logits, uniforms, logprobs), draft_token_ids, draft_parents)
+        else:
+            logprobs = None
+            result = self._verify_plain(logits, draft_token_ids, draft_parents, params, uniforms)
+        if uniforms is not None:
+            self._streams[req.request_id].advance(len(result.token_ids))
+        return result, logprobs if params.logprobs is not None else None
+
+    @staticmethod
+    def _verify_plain(
+        logits: torch.Tensor, draft_token_ids: list[int], draft_parents: list[int], params: SamplingParams,
+        uniforms: list[float] | None,
     ) -> Verification:
         if params.greedy:
             return verify_greedy(logits, draft_token_ids, draft_parents)
-        stream = self._stream(request_id, params)
-        uniforms = stream.next(max(depths(draft_parents), default=0) + 1)
-        result = verify_sampled(target_probs(logits, params), draft_token_ids, draft_parents, uniforms)
-        stream.advance(len(result.token_ids))
-        return result
+        return verify_sampled(target_probs(logits, params), draft_token_ids, draft_parents, uniforms)
 
     def _stream(self, request_id: str, params: SamplingParams) -> UniformStream:
         if request_id not in self._streams:
@@ -82,3 +129,4 @@ class Verifier:
 
     def finish(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        self.grammars.finish(request_id)

@@ -23,10 +23,24 @@ class SamplingParams(msgspec.Struct, frozen=True):
     max_tokens: int = 16
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # CTRL / transformers: logits of prompt or generated tokens divided (>0) or multiplied
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit
+    logprobs: int | None = None  # None: off; k >= 0: each emitted token's log-probability and its k most likely alternatives
+    grammar: str | None = None  # an llguidance grammar (JSON) every emitted token must follow (structured outputs, tools)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the target's logits change before sampling (penalties, bias, a grammar)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+            or self.grammar
+        )
 
 
 class EngineRequest(msgspec.Struct, tag="add"):
@@ -47,6 +61,15 @@ class EngineError(msgspec.Struct):
     message: str
 
 
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One emitted token's log-probability and its most likely alternatives (engine/logprobs.py says which distribution)."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class RequestOutput(msgspec.Struct):
     request_id: str
     new_token_ids: list[int]
@@ -55,6 +78,7 @@ class RequestOutput(msgspec.Struct):
     spec: SpecStats | None = None  # the request's running speculative totals
     error: EngineError | None = None  # set when finish_reason is "error"
     num_cached_tokens: int = 0  # prompt tokens whose KV came from a session cache
+    logprobs: list[TokenLogprob] | None = None  # [len(new_token_ids)] when the request asked for logprobs
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):
@@ -70,6 +94,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     num_kv_blocks: int = 0  # blocks in the paged KV pool
     kv_block_size: int = 0  # positions per block
     weights: str = ""  # how the Linear layers keep their weights: float32, bfloat16, int8 or int4
+    vocab_size: int = 0  # the model's logits width: token ids a request may name lie below it
 
 
 class EngineDead(msgspec.Struct, tag="dead"):

@@ -20,9 +20,14 @@ from server.protocol import (
     ChatStreamChoice,
     DeltaMessage,
     SpecStatsInfo,
+    ToolDefinition,
     Usage,
 )
-from server.serving import ServingContext, build_engine_request, new_request_id, respond
+from server.choices import FinishedChoice
+from server.generation import Delta
+from server.logprobs import LogprobFormatter
+from server.serving import ServingContext, build_engine_requests, new_request_id, respond
+from server.tools import ToolCallStreams, conversation_with_tools, offered_tools, tool_call_reply, tool_grammar
 
 TEMPLATE_ROLES = {"developer": "system"}  # roles chat templates know under another name
 
@@ -32,28 +37,43 @@ async def create_chat_completion(
 ) -> Response:
     ready = context.require_ready()
     model_name = context.check_model(body.model, ready)
-    prompt_token_ids = render_chat_prompt(context.tokenizer, body.messages)
+    tools = offered_tools(body)
+    prompt_token_ids = render_chat_prompt(context.tokenizer, body.messages, tools)
+    grammar = tool_grammar(body.tools, body.tool_choice, body.parallel_tool_calls)
     request_id = new_request_id("chatcmpl")
-    engine_request = build_engine_request(
-        request_id, prompt_token_ids, body, ready, http_request, prompt_param="messages"
+    engine_requests = build_engine_requests(
+        request_id, prompt_token_ids, body, ready, http_request, prompt_param="messages", config=context.config,
+        grammar=grammar,
     )
-    return await respond(context, http_request, engine_request, body, ChatFormatter(request_id, model_name))
+    tool_calls = ToolCallStreams() if tools else None
+    formatter = ChatFormatter(request_id, model_name, LogprobFormatter(context.tokenizer), tool_calls)
+    return await respond(context, http_request, engine_requests, body, formatter)
 
 
-def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
-    """Token ids of the conversation rendered by the model's chat template, ready for the reply."""
+def render_chat_prompt(
+    tokenizer: Any, messages: list[ChatMessage], tools: list[ToolDefinition] | None = None
+) -> list[int]:
+    """Token ids of the conversation and offered tools, rendered by the model's chat template, ready for the reply."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-    conversation = [_template_message(m) for m in messages]
+    conversation, template_kwargs = conversation_with_tools(tokenizer, [_template_message(m) for m in messages], tools)
     try:
-        rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        rendered = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True, **template_kwargs
+        )
     except (jinja2.TemplateError, ValueError) as exc:
         raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
     return _token_ids_of(rendered)
 
 
-def _template_message(message: ChatMessage) -> dict[str, str]:
-    return {"role": TEMPLATE_ROLES.get(message.role, message.role), "content": message.content or ""}
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """The message as transformers chat templates take it (tool calls with JSON-text arguments)."""
+    entry: dict[str, Any] = {"role": TEMPLATE_ROLES.get(message.role, message.role), "content": message.content or ""}
+    if message.tool_calls:
+        entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    return entry
 
 
 def _token_ids_of(rendered: Any) -> list[int]:
@@ -67,36 +87,52 @@ def _token_ids_of(rendered: Any) -> list[int]:
 class ChatFormatter:
     """Shapes chat.completion objects and chat.completion.chunk events of one request."""
 
-    def __init__(self, request_id: str, model_name: str) -> None:
+    def __init__(
+        self, request_id: str, model_name: str, logprobs: LogprobFormatter, tool_calls: ToolCallStreams | None = None
+    ) -> None:
         self._request_id = request_id
         self._model_name = model_name
         self._created = int(time.time())  # seconds since the epoch, shared by all chunks
+        self._logprobs = logprobs
+        self._tool_calls = tool_calls  # set when the request offers tools: replies are parsed for calls
 
-    def role_chunk(self) -> ChatCompletionChunk:
-        return self._chunk([ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))])
+    def role_chunk(self, index: int) -> ChatCompletionChunk:
+        return self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
 
-    def text_chunk(self, text: str) -> ChatCompletionChunk:
-        return self._chunk([ChatStreamChoice(delta=DeltaMessage(content=text))])
+    def delta_chunk(self, index: int, delta: Delta) -> ChatCompletionChunk | None:
+        message = self._tool_calls.delta(index, delta.text) if self._tool_calls else DeltaMessage(content=delta.text)
+        if message is None and delta.logprobs is None:
+            return None  # held back: it may open a tool call
+        choice = ChatStreamChoice(index=index, delta=message or DeltaMessage(), logprobs=self._shaped(delta.logprobs))
+        return self._chunk([choice])
 
-    def finish_chunk(self, finish_reason: str, spec: SpecStatsInfo) -> ChatCompletionChunk:
-        choice = ChatStreamChoice(delta=DeltaMessage(), finish_reason=finish_reason)
+    def finish_chunk(self, index: int, finish_reason: str, spec: SpecStatsInfo) -> ChatCompletionChunk:
+        delta = DeltaMessage()
+        if self._tool_calls:
+            delta = self._tool_calls.final_delta(index) or delta
+            finish_reason = self._tool_calls.finish_reason(index, finish_reason)
+        choice = ChatStreamChoice(index=index, delta=delta, finish_reason=finish_reason)
         return self._chunk([choice], spec_stats=spec)
 
     def usage_chunk(self, usage: Usage, spec: SpecStatsInfo) -> ChatCompletionChunk:
         return self._chunk([], usage=usage, spec_stats=spec)
 
-    def response(
-        self, text: str, finish_reason: str, usage: Usage, spec: SpecStatsInfo
-    ) -> ChatCompletionResponse:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
+    def response(self, choices: list[FinishedChoice], usage: Usage, spec: SpecStatsInfo) -> ChatCompletionResponse:
+        shaped = [self._choice(choice) for choice in choices]
         return ChatCompletionResponse(
-            id=self._request_id,
-            created=self._created,
-            model=self._model_name,
-            choices=[choice],
-            usage=usage,
+            id=self._request_id, created=self._created, model=self._model_name, choices=shaped, usage=usage,
             spec_stats=spec,
         )
+
+    def _choice(self, choice: FinishedChoice) -> ChatChoice:
+        message, finish_reason = AssistantMessage(content=choice.text), choice.finish_reason
+        if self._tool_calls:
+            message, finish_reason = tool_call_reply(choice.text, finish_reason)
+        return ChatChoice(index=choice.index, message=message, finish_reason=finish_reason,
+                          logprobs=self._shaped(choice.logprobs))
+
+    def _shaped(self, logprobs):
+        return self._logprobs.chat(logprobs) if logprobs is not None else None
 
     def _chunk(self, choices: list[ChatStreamChoice], **extra: Any) -> ChatCompletionChunk:
         return ChatCompletionChunk(

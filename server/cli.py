@@ -97,6 +97,7 @@ def add_serve_parser(commands) -> None:
                        help="seconds an engine with requests in flight may send nothing before it is treated as dead")
     serve.add_argument("--drain-timeout", type=float, default=ServerConfig.drain_timeout_s,
                        help="SIGTERM: seconds requests in flight get to finish while new ones get 503")
+    serve.add_argument("--max-choices", type=int, default=ServerConfig.max_choices, help="the largest n a request may ask for")
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -104,7 +105,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host, port=args.port, served_model_name=args.served_model_name, api_key=args.api_key or None,
         engine_start_timeout_s=args.engine_start_timeout, engine_max_restarts=args.engine_max_restarts,
         engine_restart_window_s=args.engine_restart_window, engine_stall_timeout_s=args.engine_stall_timeout,
-        drain_timeout_s=args.drain_timeout,
+        drain_timeout_s=args.drain_timeout, max_choices=args.max_choices,
     )
 
 
@@ -115,7 +116,7 @@ def serve(args: argparse.Namespace) -> None:
     from server.drain import draining_server
     from server.engine_client import EngineClient
     from server.metrics import ServerMetrics
-    from server.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer
 
     config = Config(engine=engine_config_from_args(args, args.drafter), server=server_config_from_args(args))
     model_name = config.server.served_model_name or resolve_model_source(config.engine.model.model).name

@@ -18,6 +18,8 @@ class ServerConfig:
     drain_timeout_s: float = 30.0  # SIGTERM: seconds requests in flight get to finish before the server stops
     max_request_bytes: int = 4 * 1024 * 1024
     api_key: str | None = None  # None: no authentication
+    max_choices: int = 16  # the largest `n` a request may ask for
+
 
     def __post_init__(self) -> None:
         if self.api_key == "":
@@ -26,6 +28,8 @@ class ServerConfig:
             raise ValueError(f"port out of range: {self.port}")
         if self.engine_max_restarts < 0 or self.engine_restart_window_s <= 0:
             raise ValueError("engine restarts: the bound must not be negative and the window must be positive")
+        if self.max_choices < 1:
+            raise ValueError("--max-choices must be at least 1")
         if self.engine_stall_timeout_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("the stall bound must be positive and the drain timeout must not be negative")
 

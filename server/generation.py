@@ -2,15 +2,24 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
-from engine.wire import RequestOutput, SpecStats
+from engine.wire import RequestOutput, SpecStats, TokenLogprob
 from server.detokenizer import IncrementalDetokenizer, StopChecker
 from server.errors import SERVER_ERROR, APIError, engine_unavailable
 
 FINISHED_OK = ("stop", "length")
+
+
+@dataclass
+class Delta:
+    """New text of a choice, with the log-probabilities of the tokens that arrived with it (when asked)."""
+
+    text: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Generation:
@@ -38,15 +47,22 @@ class Generation:
         self.spec: SpecStats | None = None  # the latest stats the engine sent
         self.num_cached_tokens = first.num_cached_tokens  # prompt tokens whose KV a session cache supplied
 
-    async def deltas(self) -> AsyncIterator[str]:
-        """Non-empty text deltas until the request finishes or hits a stop string."""
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Deltas with text or log-probabilities until the request finishes or hits a stop string."""
         while self.finish_reason is None:
-            text = self._on_output(await self._next_output())
-            if text:
-                yield text
+            output = await self._next_output()
+            text = self._on_output(output)
+            if text or output.logprobs:
+                yield Delta(text, output.logprobs)
 
-    async def text(self) -> str:
-        return "".join([delta async for delta in self.deltas()])
+    async def collect(self) -> Delta:
+        """The whole text, and every token's log-probabilities when asked."""
+        text, logprobs = [], None
+        async for delta in self.deltas():
+            text.append(delta.text)
+            if delta.logprobs is not None:
+                logprobs = (logprobs or []) + delta.logprobs
+        return Delta("".join(text), logprobs)
 
     async def aclose(self) -> None:
         """Close the engine outputs (aborting the request if it still runs); safe to repeat."""

@@ -7,15 +7,18 @@ token ids and a ResponseFormatter that shapes their own objects.
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Protocol, TypeVar
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from engine.wire import EngineReady, EngineRequest, RequestOutput, SamplingParams, SpecStats
+from server.choices import FinishedChoice, close_generations, collect_choices, interleaved_deltas, merged_spec_stats
 from server.config import Config
 from server.engine_client import EngineClient
 from server.errors import (
@@ -28,9 +31,10 @@ from server.errors import (
     model_not_found,
     shutting_down,
 )
-from server.generation import Generation, close_outputs
+from server.generation import Delta, Generation, close_outputs
 from server.protocol import MAX_SESSION_ID_LENGTH, PromptTokensDetails, SamplingFields, SpecStatsInfo, Usage
 from server.sse import DONE_EVENT, EventStreamResponse, encode_event
+from server.structured import response_format_grammar
 
 DISCONNECT_POLL_S = 0.5  # seconds between client-disconnect checks of non-streaming requests
 SESSION_HEADER = "X-Session-ID"
@@ -67,34 +71,60 @@ class ServingContext:
 
 
 class ResponseFormatter(Protocol):
-    """Shapes one endpoint's response objects and stream chunks."""
+    """Shapes one endpoint's response objects and stream chunks; INDEX numbers the request's choices."""
 
-    def role_chunk(self) -> BaseModel | None: ...
-    def text_chunk(self, text: str) -> BaseModel: ...
-    def finish_chunk(self, finish_reason: str, spec: SpecStatsInfo) -> BaseModel: ...
+    def role_chunk(self, index: int) -> BaseModel | None: ...
+    def delta_chunk(self, index: int, delta: Delta) -> BaseModel | None: ...
+    def finish_chunk(self, index: int, finish_reason: str, spec: SpecStatsInfo) -> BaseModel: ...
     def usage_chunk(self, usage: Usage, spec: SpecStatsInfo) -> BaseModel: ...
-    def response(self, text: str, finish_reason: str, usage: Usage, spec: SpecStatsInfo) -> BaseModel: ...
+    def response(self, choices: list[FinishedChoice], usage: Usage, spec: SpecStatsInfo) -> BaseModel: ...
 
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def build_engine_request(
+def build_engine_requests(
     request_id: str,
     prompt_token_ids: list[int],
     body: SamplingFields,
     ready: EngineReady,
     http_request: Request,
     prompt_param: str,
-) -> EngineRequest:
+    config: Config,
+    grammar: str | None = None,
+) -> list[EngineRequest]:
+    """One engine request per choice (`n`); GRAMMAR (a forced tool call) or the response format constrains them.
+
+    Choice i of a seeded request samples with seed + i, so the choices differ and each is reproducible; only the
+    first choice continues the request's session (the others would each claim it).
+    """
     max_tokens = resolve_max_tokens(body.effective_max_tokens, len(prompt_token_ids), ready, prompt_param)
-    return EngineRequest(
-        request_id=request_id,
-        prompt_token_ids=prompt_token_ids,
-        sampling=build_sampling_params(body, max_tokens, ready),
-        session_id=body.session_id or session_id_header(http_request),
-    )
+    check_num_choices(body.num_choices, config.server.max_choices)
+    if grammar is not None and body.response_format is not None and body.response_format.type != "text":
+        raise APIError(400, "response_format cannot be combined with a forced tool call", param="response_format")
+    sampling = build_sampling_params(body, max_tokens, ready, grammar or response_format_grammar(body.response_format))
+    session_id = body.session_id or session_id_header(http_request)
+    return [
+        EngineRequest(
+            request_id=f"{request_id}-{index}" if body.num_choices > 1 else request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling=_for_choice(sampling, index),
+            session_id=session_id if index == 0 else None,
+        )
+        for index in range(body.num_choices)
+    ]
+
+
+def check_num_choices(num_choices: int, max_choices: int) -> None:
+    if num_choices > max_choices:
+        raise APIError(400, f"n must be at most {max_choices} on this server, got {num_choices}", param="n")
+
+
+def _for_choice(sampling: SamplingParams, index: int) -> SamplingParams:
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=(sampling.seed + index) % 2**64)
 
 
 def session_id_header(http_request: Request) -> str | None:
@@ -115,7 +145,9 @@ def resolve_max_tokens(
     return room if requested is None else requested
 
 
-def build_sampling_params(body: SamplingFields, max_tokens: int, ready: EngineReady) -> SamplingParams:
+def build_sampling_params(
+    body: SamplingFields, max_tokens: int, ready: EngineReady, grammar: str | None = None,
+) -> SamplingParams:
     top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0  # None/0/-1: off
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,  # 0 = greedy
@@ -124,7 +156,23 @@ def build_sampling_params(body: SamplingFields, max_tokens: int, ready: EngineRe
         seed=body.seed,
         max_tokens=max_tokens,
         ignore_eos=body.ignore_eos,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        logit_bias=logit_bias_by_id(body.logit_bias, ready.vocab_size),
+        logprobs=body.num_logprobs,
+        grammar=grammar,
     )
+
+
+def logit_bias_by_id(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """The request's bias keyed by token id; 400 naming logit_bias for an id outside the vocabulary."""
+    by_id = {int(key): bias for key, bias in (logit_bias or {}).items() if bias}
+    unknown = [token_id for token_id in by_id if vocab_size and token_id >= vocab_size]
+    if unknown:
+        raise APIError(400, f"logit_bias names token {unknown[0]}, outside this model's vocabulary of {vocab_size}",
+                       param="logit_bias")
+    return by_id
 
 
 def spec_stats_info(spec: SpecStats | None) -> SpecStatsInfo:
@@ -137,36 +185,52 @@ def spec_stats_info(spec: SpecStats | None) -> SpecStatsInfo:
     )
 
 
-def usage_of(num_prompt_tokens: int, generation: Generation) -> Usage:
-    num_completion_tokens = generation.num_completion_tokens
+def usage_of(num_prompt_tokens: int, generations: list[Generation]) -> Usage:
+    """The prompt counted once, every choice's completion tokens."""
+    num_completion_tokens = sum(generation.num_completion_tokens for generation in generations)
     return Usage(
         prompt_tokens=num_prompt_tokens,
         completion_tokens=num_completion_tokens,
         total_tokens=num_prompt_tokens + num_completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=generation.num_cached_tokens),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=generations[0].num_cached_tokens),
     )
 
 
 async def respond(
     context: ServingContext,
     http_request: Request,
-    engine_request: EngineRequest,
+    engine_requests: list[EngineRequest],
     body: SamplingFields,
     formatter: ResponseFormatter,
 ) -> Response:
-    """Submit to the engine and answer with a JSON object or an SSE stream."""
-    generation = await start_generation(context, http_request, engine_request, body)
-    num_prompt_tokens = len(engine_request.prompt_token_ids)
+    """Submit every choice to the engine and answer with a JSON object or an SSE stream."""
+    generations = await start_generations(context, http_request, engine_requests, body)
+    num_prompt_tokens = len(engine_requests[0].prompt_token_ids)
+    close = functools.partial(close_generations, generations)
     if body.stream:
-        events = stream_events(generation, formatter, num_prompt_tokens, body.include_usage)
-        return EventStreamResponse(events, on_close=generation.aclose)
+        events = stream_events(generations, formatter, num_prompt_tokens, body.include_usage)
+        return EventStreamResponse(events, on_close=close)
     try:
-        text = await watch_disconnect(http_request, generation.text())
+        finished = await watch_disconnect(http_request, collect_choices(generations))
     finally:
-        await generation.aclose()
-    usage = usage_of(num_prompt_tokens, generation)
-    answer = formatter.response(text, generation.finish_reason, usage, spec_stats_info(generation.spec))
+        await close()
+    usage = usage_of(num_prompt_tokens, generations)
+    answer = formatter.response(finished, usage, spec_stats_info(merged_spec_stats(generations)))
     return JSONResponse(answer.model_dump(mode="json"))
+
+
+async def start_generations(
+    context: ServingContext, http_request: Request, engine_requests: list[EngineRequest], body: SamplingFields
+) -> list[Generation]:
+    """Start every choice; if one is refused (429/503), the others are closed and the refusal is the answer."""
+    generations: list[Generation] = []
+    try:
+        for engine_request in engine_requests:
+            generations.append(await start_generation(context, http_request, engine_request, body))
+    except BaseException:
+        await close_generations(generations)
+        raise
+    return generations
 
 
 async def start_generation(
@@ -189,22 +253,32 @@ async def _first_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput 
 
 
 async def stream_events(
-    generation: Generation, formatter: ResponseFormatter, num_prompt_tokens: int, include_usage: bool
+    generations: list[Generation], formatter: ResponseFormatter, num_prompt_tokens: int, include_usage: bool
 ) -> AsyncIterator[str]:
-    """SSE events: role chunk, text chunks, finish chunk, optional usage chunk, [DONE]."""
-    role_chunk = formatter.role_chunk()
-    if role_chunk is not None:
-        yield encode_event(role_chunk)
+    """SSE events: role chunks, delta chunks of the choices as they come, a finish chunk per choice, an optional
+    usage chunk, [DONE]."""
+    for index in range(len(generations)):
+        role_chunk = formatter.role_chunk(index)
+        if role_chunk is not None:
+            yield encode_event(role_chunk)
     try:
-        async for text in generation.deltas():
-            yield encode_event(formatter.text_chunk(text))
-        spec = spec_stats_info(generation.spec)
-        yield encode_event(formatter.finish_chunk(generation.finish_reason, spec))
+        async for index, delta in interleaved_deltas(generations):
+            for event in _choice_events(formatter, index, delta, generations[index]):
+                yield event
         if include_usage:
-            yield encode_event(formatter.usage_chunk(usage_of(num_prompt_tokens, generation), spec))
+            usage = usage_of(num_prompt_tokens, generations)
+            yield encode_event(formatter.usage_chunk(usage, spec_stats_info(merged_spec_stats(generations))))
     except Exception as exc:  # the response has started: report in-band
         yield encode_event(error_of_exception(exc).body())
     yield DONE_EVENT
+
+
+def _choice_events(formatter: ResponseFormatter, index: int, delta: Delta | None, generation: Generation) -> list[str]:
+    """A choice's delta chunk, or its finish chunk when DELTA is None (the choice ended)."""
+    if delta is None:
+        return [encode_event(formatter.finish_chunk(index, generation.finish_reason, spec_stats_info(generation.spec)))]
+    chunk = formatter.delta_chunk(index, delta)
+    return [encode_event(chunk)] if chunk is not None else []
 
 
 async def watch_disconnect(http_request: Request, awaitable: Awaitable[T]) -> T:

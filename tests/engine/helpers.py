@@ -8,13 +8,14 @@ from engine.wire import EngineRequest, RequestOutput, SamplingParams, StepStats
 def run_to_completion(
     engine: Engine, prompts: list[list[int]], params: list[SamplingParams], step_stats: list[StepStats] | None = None
 ) -> dict[str, RequestOutput]:
-    """Submit all prompts at once; returns per request id the concatenated outputs and the final stats.
+    """Submit all prompts at once; returns per request id the concatenated outputs (and logprobs) and the final stats.
 
     step_stats, if given, receives every step's statistics.
     """
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         assert engine.add_request(EngineRequest(f"req-{i}", prompt, p)) is None
     tokens: dict[str, list[int]] = {f"req-{i}": [] for i in range(len(prompts))}
+    logprobs: dict[str, list] = {f"req-{i}": [] for i in range(len(prompts))}
     finals: dict[str, RequestOutput] = {}
     while engine.has_work:
         step = engine.step()
@@ -22,8 +23,10 @@ def run_to_completion(
             step_stats.append(step.stats)
         for output in step.outputs:
             tokens[output.request_id] += output.new_token_ids
+            logprobs[output.request_id] += output.logprobs or []
             if output.finish_reason:
                 finals[output.request_id] = output
     for request_id, output in finals.items():
         output.new_token_ids = tokens[request_id]
+        output.logprobs = logprobs[request_id] if output.logprobs is not None else None
     return finals

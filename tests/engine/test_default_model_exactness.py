@@ -10,7 +10,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.wire import SamplingParams
 from scheduler.config import SchedulerConfig
-from server.tokenizer import load_tokenizer
+from engine.tokenizer import load_tokenizer
 from tests.conftest import TEST_DATA_DIR
 from tests.engine.helpers import run_to_completion
 

@@ -9,7 +9,7 @@ from bench.sessions import mt_redundant_conversations, self_correction_conversat
 from engine.config import EngineConfig, SessionConfig
 from engine.engine import Engine
 from engine.wire import SamplingParams
-from server.tokenizer import load_tokenizer
+from engine.tokenizer import load_tokenizer
 from tests.conftest import TEST_DATA_DIR
 from tests.engine.helpers import run_to_completion
 

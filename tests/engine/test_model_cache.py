@@ -127,7 +127,7 @@ def test_the_cached_default_model_is_the_gguf_model(default_source):
 def test_the_cached_default_tokenizer_is_the_gguf_tokenizer(default_source):
     from transformers import AutoTokenizer
 
-    from server.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer
 
     cached = load_tokenizer(ModelConfig(model=None))
     assert cached.name_or_path == str(dequantized_dir(default_source))

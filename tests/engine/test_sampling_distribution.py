@@ -51,7 +51,11 @@ def sample_pairs(engine, params):
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
     SamplingParams(temperature=0.7, top_k=6, top_p=0.9, max_tokens=3, ignore_eos=True),
-])
+    SamplingParams(  # penalties and bias move the distribution at the drafted positions, counting the walk's tokens
+        temperature=1.0, max_tokens=3, ignore_eos=True, presence_penalty=1.0, frequency_penalty=0.5,
+        repetition_penalty=1.3, logit_bias={7: 2.0, 9: -3.0, 11: 1.5},
+    ),
+], ids=["plain", "top-k-top-p", "penalties-bias"])
 def test_speculative_sampling_matches_plain_sampling(tiny_model_dir, params, tree):
     config = EngineConfig(
         model=ModelConfig(model=tiny_model_dir, device="cpu"),

@@ -18,7 +18,9 @@ from server.engine_client import EngineDeadError, EngineRequestError, QueueFullE
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 64
-READY = EngineReady(model_name=MODEL, max_model_len=MAX_MODEL_LEN, eos_token_ids=[2], latency_ms_by_num_tokens={})
+READY = EngineReady(
+    model_name=MODEL, max_model_len=MAX_MODEL_LEN, eos_token_ids=[2], latency_ms_by_num_tokens={}, vocab_size=49152,
+)
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
 
@@ -90,7 +92,14 @@ def test_invalid_json_is_400(make_client):
     "path, body, param",
     [
         ("/v1/chat/completions", {**CHAT, "temperature": 5}, "temperature"),
-        ("/v1/chat/completions", {**CHAT, "n": 3}, "n"),
+        ("/v1/chat/completions", {**CHAT, "n": 17}, "n"),  # above --max-choices (16)
+        ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {**CHAT, "logit_bias": {"49152": 5}}, "logit_bias"),  # outside the vocabulary
+        ("/v1/chat/completions", {**CHAT, "logit_bias": {"7": -101}}, "logit_bias"),
+        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "if": {"type": "object"}}}}}, "response_format"),  # not compilable
+        ("/v1/completions", {**COMPLETION, "response_format": {"type": "regex", "regex": "[a-"}}, "response_format"),
+        ("/v1/completions", {**COMPLETION, "logprobs": 21}, "logprobs"),
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ("/v1/chat/completions", [CHAT], None),
         ("/v1/completions", {**COMPLETION, "top_p": 0}, "top_p"),
@@ -235,3 +244,31 @@ def test_lifespan_starts_and_shuts_down_the_engine(make_client):
     with client:
         assert engine.events == ["start"]
     assert engine.events == ["start", "shutdown"]
+
+
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize(
+    "tools, tool_choice, param",
+    [
+        ([TIME_TOOL], {"type": "function", "function": {"name": "get_date"}}, "tool_choice"),  # not offered
+        (None, "required", "tool_choice"),
+        ([{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}], "required", "tools"),
+    ],
+)
+def test_tool_calls_that_cannot_be_forced_are_400(make_client, tools, tool_choice, param):
+    client, engine = make_client()
+    assert_error(client.post("/v1/chat/completions", json={**CHAT, "tools": tools, "tool_choice": tool_choice}), 400, param)
+    assert engine.requests == []
+
+
+def test_tools_reach_the_prompt_and_a_forced_call_its_grammar(make_client, tokenizer):
+    roomy = EngineReady(model_name=MODEL, max_model_len=4096, eos_token_ids=[2], latency_ms_by_num_tokens={}, vocab_size=49152)
+    client, engine = make_client(StandInEngine(ready=roomy, submit_error=QueueFullError()))
+    for tool_choice in ("required", "auto", "none"):
+        client.post("/v1/chat/completions", json={**CHAT, "tools": [TIME_TOOL], "tool_choice": tool_choice})
+    required, auto, none = engine.requests
+    assert "get_time" in required.sampling.grammar and auto.sampling.grammar is None and none.sampling.grammar is None
+    assert "<tools>" in tokenizer.decode(required.prompt_token_ids) and required.prompt_token_ids == auto.prompt_token_ids
+    assert "<tools>" not in tokenizer.decode(none.prompt_token_ids)

@@ -24,19 +24,35 @@ def chat(**fields):
         (chat(top_k=-2), "top_k", "greater than or equal to -1"),
         (chat(max_tokens=0), "max_tokens", "greater than or equal to 1"),
         (chat(max_completion_tokens=0), "max_completion_tokens", "greater than or equal to 1"),
-        (chat(n=2), "n", "only n=1 is supported"),
-        (chat(n=0), "n", "only n=1 is supported"),
         (chat(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
         (chat(stop=[1]), "stop", "string or a list of strings"),
         (chat(stop=""), "stop", "must not be empty"),
-        (chat(logprobs=True), "logprobs", "not supported"),
-        (chat(tools=[{"type": "function"}]), "tools", "not supported"),
-        (chat(frequency_penalty=0.5), "frequency_penalty", "not supported"),
-        (chat(response_format={"type": "json_object"}), "response_format", "not supported"),
+        (chat(top_logprobs=3), "top_logprobs", "top_logprobs needs logprobs"),
+        (chat(logprobs=True, top_logprobs=21), "top_logprobs", "less than or equal to 20"),
+        (chat(n=0), "n", "greater than or equal to 1"),
+        (chat(logit_bias={"abc": 1}), "logit_bias", "token ids written as strings"),
+        (chat(logit_bias={"5": 101}), "logit_bias", "[-100, 100]"),
+        (chat(presence_penalty=2.5), "presence_penalty", "less than or equal to 2"),
+        (chat(repetition_penalty=0), "repetition_penalty", "greater than 0"),
+        (chat(response_format={"type": "yaml"}), "response_format.type", "'json_object'"),
+        (chat(response_format={"type": "json_schema"}), "response_format", 'needs the field "json_schema"'),
+        (chat(functions=[{"name": "f"}]), "functions", "send `tools`"),
+        (chat(tools=[{"type": "function"}]), "tools[0].function", "Field required"),
+        (chat(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools[0].function.name", "pattern"),
+        (chat(tools=[{"function": {"name": "f"}}, {"function": {"name": "f"}}]), "tools", "repeated: f"),
+        (chat(tool_choice="any"), "tool_choice", "'required'"),
+        (chat(tool_choice={"type": "function"}), "tool_choice", '"function": {"name": ...}'),
         ({"messages": []}, "messages", "at least 1 item"),
         ({}, "messages", "Field required"),
         ({"messages": "hi"}, "messages", "valid list"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "'system', 'user'"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "'system', 'user'"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]", "needs the tool_call_id"),
+        ({"messages": [{"role": "tool", "tool_call_id": "c"}]}, "messages[0]", "needs content"),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}]},
+            "messages[0]",
+            "only assistant messages",
+        ),
         ({"messages": [{"content": "x"}]}, "messages[0].role", "Field required"),
         ({"messages": [{"role": "user"}]}, "messages[0]", "needs content"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "list of text parts"),
@@ -67,7 +83,7 @@ def test_invalid_chat_request_names_the_field(body, param, fragment):
         ({"prompt": ["a", "b"]}, "prompt", "batched prompts are not supported"),
         ({"prompt": [[1], [2]]}, "prompt", "batched prompts are not supported"),
         ({"prompt": "x", "echo": True}, "echo", "not supported"),
-        ({"prompt": "x", "logprobs": 1}, "logprobs", "not supported"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs", "less than or equal to 20"),
         ({"prompt": "x", "best_of": 3}, "best_of", "not supported"),
         ({"prompt": "x", "suffix": "tail"}, "suffix", "not supported"),
         ({"prompt": "x", "temperature": 3}, "temperature", "less than or equal to 2"),
@@ -129,3 +145,26 @@ def test_completion_prompt_forms(prompt, expected):
 def test_top_k_minus_one_and_temperature_zero_are_valid():
     body = ChatCompletionRequest.model_validate(chat(top_k=-1, temperature=0, top_p=1, seed=3))
     assert (body.top_k, body.temperature, body.seed) == (-1, 0.0, 3)
+
+
+def test_tools_tool_choice_and_tool_messages_are_accepted():
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    body = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                *USER,
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "20 C"}]},
+            ],
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "parallel_tool_calls": False,
+        }
+    )
+    assert body.messages[1].tool_calls[0].function.arguments == '{"city": "Paris"}'  # an object is serialised
+    assert (body.messages[2].tool_call_id, body.messages[2].content) == ("call_1", "20 C")
+    assert body.tools[0].function.parameters == {"type": "object"}
+    assert body.tool_choice.function.name == "get_weather"
+    assert body.parallel_tool_calls is False
+    for mode in ("none", "auto", "required"):
+        assert ChatCompletionRequest.model_validate(chat(tool_choice=mode)).tool_choice == mode
