@@ -78,7 +78,11 @@ class Engine:
         error = self._validate(request) or self._begin_grammar(request)
         if error:
             return RequestOutput(request.request_id, [], finish_reason="error", error=EngineError("invalid_request", error))
-        req = Request(request.request_id, list(request.prompt_token_ids), request.sampling, request.session_id)
+        req = Request(
+            request.request_id, list(request.prompt_token_ids), request.sampling, request.session_id,
+            # a drafter that reads what the target computed at every position must see the prompt computed
+            prompt_source=None if self.speculation.needs_every_position else request.prompt_source,
+        )
         try:
             session_key = self.scheduler.add_request(req)
         except Exception:

@@ -48,6 +48,7 @@ class EngineRequest(msgspec.Struct, tag="add"):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     session_id: str | None = None
+    prompt_source: str | None = None  # an earlier choice of the same request (same prompt): its prompt KV is shared
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):

@@ -12,6 +12,11 @@ blocks takes them from the youngest running request (preempted: its blocks are
 freed and it goes back to the front of the queue to be recomputed), never from an
 older one, so the oldest request always progresses and every request finishes.
 
+The choices of one request (`n`) share its prompt's KV: a later choice waits at the
+head of the queue until the first choice has computed the prompt's full blocks, then
+reads them (it computes only the prompt's last, partial block); if the first choice
+is not running, it computes the prompt itself.
+
 Cached sessions (scheduler/sessions.py) hold the KV blocks of finished turns; they
 always give way: before a request waits for blocks or preempts another, the cache is
 asked to release blocks, least recently used sessions first.
@@ -68,12 +73,28 @@ class Admission:
         """First come, first served: the head of the queue joins once a seat and its first chunk's blocks are free."""
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             head = self.waiting[0]
+            if not self._share_source_prompt(head):
+                return
             first_chunk = min(head.num_uncomputed_tokens, self.config.max_num_batched_tokens)
             if not self._make_room(head, head.num_computed_tokens + first_chunk):
                 return
             self.waiting.popleft()
             head.status = RequestStatus.RUNNING
             bisect.insort(self.running, head, key=lambda req: req.arrival_time)
+
+    def _share_source_prompt(self, req: Request) -> bool:
+        """Point a later choice at its first choice's prompt blocks; False while those are still being computed."""
+        source = next((r for r in self.running if r.request_id == req.prompt_source), None)
+        num_blocks = (req.num_prompt_tokens - 1) // self.blocks.block_size  # the last prompt token is always computed
+        if source is None or req.num_computed_tokens or not num_blocks:
+            req.prompt_source = None
+            return True
+        if source.num_computed_tokens < num_blocks * self.blocks.block_size:
+            return False
+        self.blocks.share(req.request_id, self.blocks.block_tables[source.request_id][:num_blocks])
+        req.num_computed_tokens = req.num_cached_tokens = num_blocks * self.blocks.block_size
+        req.prompt_source = None
+        return True
 
     def schedule_decoding(self, out: SchedulerOutput) -> list[ScheduledRequest]:
         """Every decoding request advances by its last token, oldest first; blocks come from the youngest."""

@@ -38,6 +38,7 @@ class Request:
     finish_reason: str | None = None
     spec: SpecStats = field(default_factory=SpecStats)
     arrival_time: float = field(default_factory=time.monotonic)  # seconds, monotonic clock
+    prompt_source: str | None = None  # an earlier choice of the same request (same prompt) whose prompt KV it reads
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

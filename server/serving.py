@@ -111,6 +111,7 @@ def build_engine_requests(
             prompt_token_ids=prompt_token_ids,
             sampling=_for_choice(sampling, index),
             session_id=session_id if index == 0 else None,
+            prompt_source=f"{request_id}-0" if index else None,
         )
         for index in range(body.num_choices)
     ]

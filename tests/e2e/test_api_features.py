@@ -134,3 +134,8 @@ def test_bad_values_are_400s_naming_the_parameter(client, fields, param):
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, **fields)
     assert info.value.body["param"] == param
+
+
+def test_greedy_choices_that_share_the_prompts_kv_equal_a_single_choice(client):
+    single = chat(client).choices[0].message.content
+    assert [c.message.content for c in chat(client, n=3).choices] == [single] * 3

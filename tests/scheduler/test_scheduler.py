@@ -219,3 +219,28 @@ def test_the_planner_verifies_the_likely_branch_of_a_tree_and_not_its_unlikely_s
         scheduler.update(out, [Verification([9, 10][:len(path)] + [11], path)])
     scheduler.set_drafts([req], [Draft([9, 10, 30], "ngram", [-1, 0, -1])])
     assert scheduler.schedule().scheduled[0].draft_nodes == [0, 1]
+
+
+def test_a_later_choice_reads_the_first_choices_prompt_blocks_once_they_are_computed():
+    scheduler = make_scheduler(max_num_seqs=4)
+    prompt = tuple(range(10, 21))  # 11 tokens: two full blocks of 4, the last token in the third
+    first = add(scheduler, "c-0", prompt)
+    second = Request("c-1", list(prompt), first.sampling, prompt_source="c-0")
+    scheduler.add_request(second)
+    out = scheduler.schedule()
+    assert [item.req.request_id for item in out.scheduled] == ["c-0"]  # the second waits for the prompt's KV
+    step(scheduler, out, [[30]])
+    out = scheduler.schedule()
+    second_item = next(item for item in out.scheduled if item.req is second)
+    assert second_item.num_computed == 8 and second_item.token_ids == list(prompt[8:])
+    tables = scheduler.blocks.block_tables
+    assert tables["c-1"][:2] == tables["c-0"][:2] and tables["c-1"][2] != tables["c-0"][2]
+    assert second.num_cached_tokens == 8
+
+
+def test_a_later_choice_whose_first_choice_is_gone_computes_the_prompt_itself():
+    scheduler = make_scheduler(max_num_seqs=4)
+    second = Request("c-1", list(range(10, 21)), SamplingParams(temperature=0.0, max_tokens=4), prompt_source="c-0")
+    scheduler.add_request(second)
+    out = scheduler.schedule()
+    assert out.scheduled[0].req is second and out.scheduled[0].num_computed == 0
