@@ -37,14 +37,19 @@ DEFAULT_LIMIT = 8  # conversations when --limit is not given
 BOOSTED_TEXTS = (" the", " and", ".")  # logit_bias: each one token, raised by LOGIT_BOOST
 BANNED_TEXT = " a"  # logit_bias: one common token, lowered by LOGIT_BAN
 LOGIT_BOOST, LOGIT_BAN = 2.0, -100.0
-MAX_ANSWER_CHARS = 600  # bounds the JSON answers so that the grammar closes them within the default 256 tokens
-ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": MAX_ANSWER_CHARS},
-                                                  "confidence": {"type": "number"}},
-                 "required": ["answer", "confidence"]}
+MAX_ANSWER_CHARS = 120  # with bounded numbers and no extra keys, the grammar closes every answer within 256 tokens
+# (even at one token per character: 300 characters of digits and dots did not fit in one run)
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "maxLength": MAX_ANSWER_CHARS},
+                   "confidence": {"type": "integer", "minimum": 0, "maximum": 100}},
+    "required": ["answer", "confidence"],
+    "additionalProperties": False,
+}
 ANSWER_TOOL = {"type": "function", "function": {
     "name": "answer", "description": "Give the answer.",
     "parameters": {"type": "object", "properties": {"text": {"type": "string", "maxLength": MAX_ANSWER_CHARS}},
-                   "required": ["text"]}}}
+                   "required": ["text"], "additionalProperties": False}}}
 SESSION_FLAGS = ["--session-mode", "off"]
 
 
@@ -68,7 +73,8 @@ VARIANT_FIELDS = {  # each variant's extra request fields, but logit_bias's (bui
     # an extension field: the top-level body field the openai client sends for extra_body={"repetition_penalty": 1.1}
     "repetition_penalty": {"repetition_penalty": 1.1},
     "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}},
-    "tool_call": {"tools": [ANSWER_TOOL], "tool_choice": {"type": "function", "function": {"name": "answer"}}},
+    "tool_call": {"tools": [ANSWER_TOOL], "tool_choice": {"type": "function", "function": {"name": "answer"}},
+                  "parallel_tool_calls": False},  # one call: a small model repeats calls until max_tokens otherwise
 }
 
 

@@ -15,7 +15,7 @@ from engine.grammar import GrammarError, Grammars
 from engine.model_loader import LoadedModel, load_model
 from engine.packed_runner import PackedModelRunner
 from engine.paged_attention import FLASH_BLOCK_SIZE, PagedKVPool, kv_shape, resolve_attention_backend
-from engine.profiler import profile_forward_latency
+from engine.profiler import profile_forward_latency, profile_path_seconds
 from engine.speculation import Speculation
 from engine.tokenizer import load_tokenizer
 from engine.verifier import Verifier
@@ -47,9 +47,10 @@ class Engine:
         self.max_model_len = min(loaded.max_model_len, blocks.num_blocks * blocks.block_size)
         self.runner = PackedModelRunner(loaded.model, loaded.device, pool, blocks.block_size, backend)
         self.latency_profile = profile_forward_latency(self.runner, blocks, self.vocab_size, self.max_model_len)  # s by num tokens
+        self.path_seconds_per_position = profile_path_seconds(self.runner, blocks, self.vocab_size, self.max_model_len)
         sessions = SessionStore(config.sessions, blocks) if config.sessions.mode != "off" else None
         self.scheduler = Scheduler(
-            config.scheduler, self.max_model_len, self.eos_token_ids, blocks, LatencyModel(self.latency_profile),
+            config.scheduler, self.max_model_len, self.eos_token_ids, blocks, LatencyModel(self.latency_profile, self.path_seconds_per_position),
             sessions=sessions,
         )
         self.speculation = Speculation(build_drafter(config.spec, drafter_context(loaded, config.model)))

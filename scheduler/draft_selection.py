@@ -37,21 +37,26 @@ class DraftSelector:
 
     def select(
         self, decoding: list[ScheduledRequest], num_base_tokens: int, budget: int,
-        step_seconds: Callable[[int], float] | None,
+        step_seconds: Callable[[int], float] | None, path_seconds: Callable[[int], float] = lambda context_len: 0.0,
     ) -> list[list[int]]:
-        """Per decoding request, the nodes of its draft to verify, in the order chosen (parents first)."""
+        """Per decoding request, the nodes of its draft to verify, in the order chosen (parents first).
+
+        path_seconds(context_len): what one more root-to-leaf path costs a request with that much context."""
         offered = [offered_nodes(item.req.draft, draft_depth_limit(item.req, self.max_model_len)) for item in decoding]
         if step_seconds is None or not self.config.use_goodput_planner:
             return _first_come(offered, budget)
-        trees = [self._planned_tree(item.req, nodes) for item, nodes in zip(decoding, offered)]
+        trees = [
+            self._planned_tree(item.req, nodes, path_seconds(item.req.num_computed_tokens))
+            for item, nodes in zip(decoding, offered)
+        ]
         chosen = plan_verification(trees, num_base_tokens, len(decoding), step_seconds, budget)
         return [[nodes[i] for i in picked] for nodes, picked in zip(offered, chosen)]
 
-    def _planned_tree(self, req: Request, nodes: list[int]) -> PlannedTree:
+    def _planned_tree(self, req: Request, nodes: list[int], path_seconds: float) -> PlannedTree:
         if not nodes:
             return PlannedTree([], [])
         rates = self.estimator.estimate(req, req.draft)
-        return PlannedTree(subtree(req.draft.parents, nodes), [rates[n] for n in nodes])
+        return PlannedTree(subtree(req.draft.parents, nodes), [rates[n] for n in nodes], path_seconds)
 
     def expected_tokens(self, req: Request, nodes: list[int]) -> float:
         """Tokens verifying NODES of the request's draft is expected to yield: the bonus token and the accepted ones."""

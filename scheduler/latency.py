@@ -1,4 +1,9 @@
-"""Latency model of one forward pass as a function of how many tokens it carries."""
+"""Latency model of one forward pass: how many tokens it carries, and how many root-to-leaf paths its trees add.
+
+A draft tree is attended as the chains of its paths (engine/attention_layout.py), each
+reading its request's whole cached context again, so a tree costs more than a chain of
+as many tokens: each path beyond the first costs about `path_seconds_per_position` per
+position of context it reads (profiled at start-up, engine/profiler.py)."""
 from __future__ import annotations
 
 import bisect
@@ -7,7 +12,8 @@ import bisect
 class LatencyModel:
     """Piecewise-linear interpolation of profiled forward times (seconds) over token counts."""
 
-    def __init__(self, seconds_by_num_tokens: dict[int, float]) -> None:
+    def __init__(self, seconds_by_num_tokens: dict[int, float], path_seconds_per_position: float = 0.0) -> None:
+        self.path_seconds_per_position = path_seconds_per_position
         if not seconds_by_num_tokens:
             raise ValueError("a latency model needs at least one profiled point")
         points = sorted(seconds_by_num_tokens.items())
@@ -30,3 +36,7 @@ class LatencyModel:
         i = min(bisect.bisect_left(xs, num_tokens), len(xs) - 1)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0)
+
+    def extra_path_seconds(self, context_len: int) -> float:
+        """What one more root-to-leaf path of a tree costs a request with CONTEXT_LEN cached positions."""
+        return self.path_seconds_per_position * context_len

@@ -12,6 +12,10 @@ keeps the prefix of that order whose goodput (expected tokens per second of forw
 latency) is highest. SV stops at the first decline, assuming goodput is concave;
 taking the best prefix gives the same answer then and stays right when a noisy
 latency profile is not concave. A chain is the tree whose every node has one child.
+
+A node whose parent already has a chosen child opens a new root-to-leaf path, which
+costs its request `path_seconds` on top of the token count's latency (each path reads
+the request's context again: scheduler/latency.py); trees are priced by their paths.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ class PlannedTree:
 
     parents: list[int]  # [n] parent of each node, -1 = the request's last token
     acceptance: list[float]  # [n] conditional acceptance estimate of each node
+    path_seconds: float = 0.0  # what one more root-to-leaf path of this request's tree costs
 
 
 def path_probabilities(tree: PlannedTree) -> list[float]:
@@ -60,10 +65,15 @@ def plan_verification(
     """
     order = greedy_order(trees)[:max_draft_tokens]
     best_len, best_goodput = 0, num_base_expected / latency(num_base_tokens)
-    expected = num_base_expected
-    for length, (gain, _, _) in enumerate(order, start=1):
+    expected, path_seconds = num_base_expected, 0.0
+    has_child = [set() for _ in trees]  # per request, the nodes (ROOT included) with a chosen child
+    for length, (gain, request, node) in enumerate(order, start=1):
         expected += gain
-        goodput = expected / latency(num_base_tokens + length)
+        parent = trees[request].parents[node]
+        if parent in has_child[request]:
+            path_seconds += trees[request].path_seconds
+        has_child[request].add(parent)
+        goodput = expected / (latency(num_base_tokens + length) + path_seconds)
         if goodput > best_goodput * (1 + 1e-9):
             best_len, best_goodput = length, goodput
     chosen: list[list[int]] = [[] for _ in trees]
@@ -85,3 +95,11 @@ def greedy_order(trees: list[PlannedTree]) -> list[tuple[float, int, int]]:
         for child in kids[request].get(node, ()):
             heapq.heappush(heap, (negative_gain * tree.acceptance[child], request, child))
     return order
+
+
+def num_extra_paths(parents: list[int]) -> int:
+    """Root-to-leaf paths beyond the first of a tree (0 for a chain or no draft)."""
+    if not parents:
+        return 0
+    has_child = set(parents)
+    return sum(1 for node in range(len(parents)) if node not in has_child) - 1

@@ -15,6 +15,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.draft_selection import DraftSelector, attach_draft
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.latency import LatencyModel
+from scheduler.planner import num_extra_paths
 from scheduler.records import ScheduledRequest, SchedulerOutput, StepStats, StepUpdate, Verification
 from scheduler.request import Request, RequestStatus
 from scheduler.sessions import SessionStore
@@ -100,14 +101,15 @@ class Scheduler:
         self.admission.schedule_prefill_chunks(out)
         self._schedule_drafts(out, [item for item in decoding if item.req.status is RequestStatus.RUNNING])
         if self.latency:
-            out.predicted_seconds = self._step_seconds(out.num_scheduled_tokens)
+            out.predicted_seconds = self._step_seconds(out.num_scheduled_tokens) + self._extra_path_seconds(out)
         return out
 
     def _schedule_drafts(self, out: SchedulerOutput, decoding: list[ScheduledRequest]) -> None:
         """Spend what is left of the token budget on the drafted tokens worth verifying."""
         budget = self.config.max_num_batched_tokens - out.num_scheduled_tokens
         step_seconds = self._step_seconds if self.latency else None
-        chosen = self.selector.select(decoding, out.num_scheduled_tokens, budget, step_seconds)
+        path_seconds = self.latency.extra_path_seconds if self.latency else (lambda context_len: 0.0)
+        chosen = self.selector.select(decoding, out.num_scheduled_tokens, budget, step_seconds, path_seconds)
         for item, nodes in zip(decoding, chosen):
             req = item.req
             nodes = nodes[:max(self.admission.positions_available(req) - req.num_computed_tokens - 1, 0)]
@@ -116,6 +118,13 @@ class Scheduler:
             out.num_offered_draft_tokens += len(req.draft) if req.draft else 0
             out.num_verified_draft_tokens += len(nodes)
             out.expected_tokens += self.selector.expected_tokens(req, nodes)
+
+    def _extra_path_seconds(self, out: SchedulerOutput) -> float:
+        """What the step's draft trees cost beyond their token count: their paths beyond the first."""
+        return sum(
+            num_extra_paths(item.draft_parents) * self.latency.extra_path_seconds(item.num_computed)
+            for item in out.scheduled
+        )
 
     def _step_seconds(self, num_tokens: int) -> float:
         """Predicted seconds of a step: the start-up profile of one request's forward, plus what a real batch
@@ -126,7 +135,7 @@ class Scheduler:
         """Learn the overhead from steps that only decode and verify: a prefill chunk attends over a context
         unlike the profile's, and its error would skew the cost of the drafts the planner weighs."""
         if self.latency and out.scheduled and not out.has_prefill:
-            error = seconds - self._step_seconds(out.num_scheduled_tokens)
+            error = seconds - self._step_seconds(out.num_scheduled_tokens) - self._extra_path_seconds(out)
             self.step_overhead_seconds += OVERHEAD_SMOOTHING * error
 
     # --- after verification ----------------------------------------------------------------------

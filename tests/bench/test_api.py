@@ -64,7 +64,7 @@ def test_logit_bias_raises_three_tokens_and_bans_one():
 
 
 def test_structured_outputs_are_checked_and_tool_calls_compared_with_their_arguments():
-    assert matches_answer_schema('{"answer": "x", "confidence": 0.5}')
+    assert matches_answer_schema('{"answer": "x", "confidence": 50}') and not matches_answer_schema('{"answer": "x", "confidence": 0.5}')
     assert not matches_answer_schema('{"answer": "x"}') and not matches_answer_schema('{"answer": "x", "confidence": "high"}')
     assert not matches_answer_schema('{"answer": "x", "confid') and not matches_answer_schema(None)
     assert ANSWER_SCHEMA["required"] == ["answer", "confidence"]

@@ -2,7 +2,9 @@
 import pytest
 
 from scheduler.latency import LatencyModel
-from scheduler.planner import PlannedTree, expected_accepted, greedy_order, path_probabilities, plan_verification
+from scheduler.planner import (
+    PlannedTree, expected_accepted, greedy_order, num_extra_paths, path_probabilities, plan_verification,
+)
 
 CPU_LIKE = LatencyModel({1: 0.069, 2: 0.072, 4: 0.080, 11: 0.134, 16: 0.150})  # seconds, measured CPU figures
 
@@ -80,3 +82,18 @@ def test_latency_model_interpolates_and_never_decreases():
     assert model(7) >= model(5)
     with pytest.raises(ValueError):
         LatencyModel({})
+
+
+@pytest.mark.parametrize("parents, expected", [([], 0), ([-1, 0, 1], 0), ([-1, -1, 0, 0], 2), ([-1, 0, 0, 2, 2], 2)])
+def test_extra_paths_are_the_leaves_beyond_the_first(parents, expected):
+    assert num_extra_paths(parents) == expected
+
+
+def test_a_branch_is_verified_only_when_its_gain_pays_for_the_context_its_path_reads_again():
+    """Two branches off the root: the second opens a path, priced by path_seconds on top of the tokens' latency."""
+    flat = LatencyModel({1: 0.1, 64: 0.1})  # tokens are free: only the path's price can stop the second branch
+    tree = PlannedTree([-1, 0, -1, 2], [0.6, 0.9, 0.3, 0.9])
+    assert sorted(plan_one(tree, flat)) == [0, 1, 2, 3]
+    cheap, dear = (PlannedTree(tree.parents, tree.acceptance, path_seconds) for path_seconds in (0.001, 0.05))
+    assert sorted(plan_one(cheap, flat)) == [0, 1, 2, 3]
+    assert sorted(plan_one(dear, flat)) == [0, 1]  # 0.57 more tokens for 50% more time: not worth it
