@@ -159,17 +159,22 @@ def markdown(results: dict) -> str:
         planner = "–" if s["drafter"] == "none" else ("on" if s["planner"] else "off")
         lines.append(f"| {s['dataset']} | {name} | {planner} | {s['tokens_per_call']:.2f} | {s['tokens_per_s']:.1f} | "
                      f"{s['speedup_vs_none']:.2f} | {s['mean_acceptance_length']:.2f} | {s['all_identical_to_baseline']} |")
-    lines += ["", f"Grid (planner off, first {results['setup']['grid_questions']} questions, "
-              f"{results['setup']['grid_max_tokens']} new tokens): tokens per call", ""]
+    lines += [""] + (_grid_lines(results) if results["setup"]["grid_questions"] else [])
+    mismatches = sum(r["exactness"] == "mismatch" for r in results["rows"])
+    lines.append(f"Exactness: {mismatches} outputs differ from `none` beyond a near-tie, over {len(results['rows'])} generations.")
+    return "\n".join(lines) + "\n"
+
+
+def _grid_lines(results: dict) -> list[str]:
+    lines = [f"Grid (planner off, first {results['setup']['grid_questions']} questions, "
+             f"{results['setup']['grid_max_tokens']} new tokens): tokens per call", ""]
     for dataset in DATASETS:
         lines += [f"**{dataset}**", "", "| k \\ w | " + " | ".join(map(str, GRID_W)) + " |", "|---" * (len(GRID_W) + 1) + "|"]
         cells = {(s["k"], s["w"]): s for s in results["summary"] if s["phase"] == "grid" and s["dataset"] == dataset and s["k"]}
         for k in GRID_K:
             lines.append(f"| {k} | " + " | ".join(_grid_cell(cells.get((k, w))) for w in GRID_W) + " |")
         lines.append("")
-    mismatches = sum(r["exactness"] == "mismatch" for r in results["rows"])
-    lines.append(f"Exactness: {mismatches} outputs differ from `none` beyond a near-tie, over {len(results['rows'])} generations.")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _grid_cell(entry: dict | None) -> str:

@@ -22,7 +22,10 @@ def response_format_grammar(response_format: ResponseFormat | None) -> str | Non
     """The llguidance grammar of a response format; None for text (or none given)."""
     if response_format is None or response_format.type == "text":
         return None
-    grammar = _grammar_of(response_format)
+    try:
+        grammar = _grammar_of(response_format)
+    except ValueError as exc:  # llguidance refuses some schemas before compiling them
+        raise APIError(400, f"{PARAM} cannot be enforced: {exc}", param=PARAM) from exc
     check_grammar(grammar, PARAM)
     return grammar
 
