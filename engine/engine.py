@@ -50,8 +50,8 @@ class Engine:
         self.path_seconds_per_position = profile_path_seconds(self.runner, blocks, self.vocab_size, self.max_model_len)
         sessions = SessionStore(config.sessions, blocks) if config.sessions.mode != "off" else None
         self.scheduler = Scheduler(
-            config.scheduler, self.max_model_len, self.eos_token_ids, blocks, LatencyModel(self.latency_profile, self.path_seconds_per_position),
-            sessions=sessions,
+            config.scheduler, self.max_model_len, self.eos_token_ids, blocks,
+            LatencyModel(self.latency_profile, self.path_seconds_per_position), sessions=sessions,
         )
         self.speculation = Speculation(build_drafter(config.spec, drafter_context(loaded, config.model)))
         self.max_session_host_bytes = int(config.sessions.host_memory_mib * 2**20)

@@ -20,13 +20,15 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from llguidance import LLMatcher
+from llguidance.hf import from_tokenizer
 
 from drafters.base import Draft
 from drafters.tree import ROOT, is_chain, subtree
 
 
 class GrammarError(ValueError):
-    """The grammar does not compile (the server validates before sending, so this is a client's raw grammar)."""
+    """The grammar does not compile (the server checks grammars first: server/structured.py)."""
 
 
 class Grammars:
@@ -41,8 +43,6 @@ class Grammars:
 
     def begin(self, request_id: str, grammar: str) -> None:
         """Raises GrammarError when the grammar does not compile."""
-        from llguidance import LLMatcher
-
         matcher = LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
@@ -54,10 +54,10 @@ class Grammars:
     def allowed(self, request_id: str) -> torch.Tensor:
         """[vocab] bool: the tokens the grammar allows next (EOS once it is complete)."""
         bits = np.frombuffer(self._matchers[request_id].compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")[:self._vocab_size].astype(bool)
-        padded = np.zeros(self._vocab_size, dtype=bool)
-        padded[:len(allowed)] = allowed
-        return torch.from_numpy(padded)
+        tokenizer_allowed = np.unpackbits(bits, bitorder="little")[:self._vocab_size]
+        allowed = np.zeros(self._vocab_size, dtype=bool)  # logits past the tokenizer's vocabulary stay forbidden
+        allowed[:len(tokenizer_allowed)] = tokenizer_allowed
+        return torch.from_numpy(allowed)
 
     def consume(self, request_id: str, token_id: int) -> None:
         self._matchers[request_id].consume_token(token_id)
@@ -75,17 +75,8 @@ class Grammars:
 
     def _ll_tokenizer(self):
         if self._tokenizer is None:
-            from llguidance.hf import from_tokenizer
-
             self._tokenizer = from_tokenizer(self._load_tokenizer(), eos_token=self._eos_token_ids)
         return self._tokenizer
-
-
-def validate_grammar(grammar: str) -> str:
-    """'' when llguidance compiles the grammar, else its reason (the server's 400)."""
-    from llguidance import LLMatcher
-
-    return LLMatcher.validate_grammar(grammar)
 
 
 def _path_allowed(matcher, draft: Draft, node: int) -> bool:

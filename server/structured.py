@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from llguidance import LLMatcher
+
 from server.errors import APIError
 from server.protocol import ResponseFormat
 
@@ -31,23 +33,17 @@ def response_format_grammar(response_format: ResponseFormat | None) -> str | Non
 
 
 def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
-    from llguidance import LLMatcher
-
     return LLMatcher.grammar_from_json_schema({} if schema is True else schema, overrides=JSON_OPTIONS)
 
 
 def check_grammar(grammar: str, param: str) -> None:
     """400 naming PARAM when llguidance cannot compile the grammar."""
-    from llguidance import LLMatcher
-
     reason = LLMatcher.validate_grammar(grammar)
     if reason:
         raise APIError(400, f"{param} cannot be enforced: {reason.strip()}", param=param)
 
 
 def _grammar_of(response_format: ResponseFormat) -> str:
-    from llguidance import LLMatcher
-
     if response_format.type == "json_object":
         return json_schema_grammar({"type": "object"})
     if response_format.type == "json_schema":
