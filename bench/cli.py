@@ -19,7 +19,7 @@ API_VARIANTS = ("plain", "logprobs", "penalties", "repetition_penalty", "logit_b
 
 def add_bench_parser(commands, add_engine_flags) -> None:
     bench = commands.add_parser("bench", help="measure speed side by side (results under bench/results/NAME)")
-    bench.add_argument("name", choices=(*MT_BENCHMARKS, "spec-bench", "ngram", "concurrency", "sessions", "step-profile", "soak", "api"))
+    bench.add_argument("name", choices=(*MT_BENCHMARKS, "spec-bench", "ngram", "concurrency", "sessions", "step-profile", "soak", "api", "models"))
     add_engine_flags(bench)
     bench.add_argument("--drafters", default=",".join(ALL_DRAFTERS), help=f"comma list from {ALL_DRAFTERS}; 'none' is always run")
     bench.add_argument("--limit", type=int, default=None, help="first N questions only (api: default 8)")
@@ -114,6 +114,8 @@ def data_sets_needed(args: argparse.Namespace) -> list[str]:
         return list(DATASETS)
     if args.name in ("concurrency", "step-profile", "api"):
         return ["mt-redundant"]
+    if args.name == "models":
+        return ["mt-bench", "mt-redundant"]
     if args.name == "spec-bench":
         return ["spec-bench", "mt-redundant"]
     return [args.name]
@@ -161,6 +163,10 @@ def run_bench(args: argparse.Namespace, engine_config_from_args) -> None:
         run_sessions(args, out_dir)
     elif args.name == "api":
         run_api(args, tokenizer, out_dir)
+    elif args.name == "models":
+        from bench.models import run_models_benchmark
+
+        run_models_benchmark(args, engine_config_from_args, tokenizer, out_dir)
     else:
         run_mt(args, engine_config_from_args, tokenizer, out_dir)
     print((out_dir / "results.md").read_text())

@@ -14,10 +14,14 @@ TOKEN_BYTES = 36  # host memory of an int in a Python list: an 8-byte reference 
 
 
 class DraftableRequest(Protocol):
-    """What a drafter may read of a request: its id and every token so far (prompt + output)."""
+    """What a drafter may read of a request: its id, every token so far (prompt + output), how many of them the
+    target has computed, its sampling parameters and the draft it is verifying."""
 
     request_id: str
     all_token_ids: list[int]
+    num_computed_tokens: int
+    sampling: object  # engine/wire.py's SamplingParams
+    draft: Draft | None
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,7 @@ class DrafterContext:
     cache_dir: Path  # model-derived tables live under it
     next_token_logits: Callable[[list[int]], torch.Tensor] = field(repr=False)  # [B] tokens -> [B, vocab]: each after BOS
     pld_plus_calibration: object | None = None  # engine/calibration.py's PldPlusCalibration for this model, if made
+    draft_forward: object | None = None  # engine/draft_model.py's DraftForward when the engine owns a draft model
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -115,6 +120,10 @@ class Drafter(Protocol):
     def finish(self, req: DraftableRequest) -> object | None:
         """Forget a request that finished or was aborted; returns its state for the session's next turn."""
 
+    def distributions(self, req: DraftableRequest) -> torch.Tensor | None:
+        """[len(req.draft), vocab] the distributions the request's draft tokens were sampled from (a draft model's
+        q); None for point masses (copied or looked-up tokens, or greedy drafts)."""
+
     def state_bytes(self) -> int:
         """Memory its live requests' states hold beyond token ids (a returned state counts its own, `num_bytes`)."""
 
@@ -129,6 +138,9 @@ class DrafterBase:
 
     def preempt(self, req: DraftableRequest) -> None:
         pass
+
+    def distributions(self, req: DraftableRequest) -> torch.Tensor | None:
+        return None
 
     def state_bytes(self) -> int:
         return 0

@@ -18,9 +18,10 @@ class SpecConfig:
     pld_plus_max_tokens: int = 70  # PLD+: K, tokens copied after the ranked candidate (the paper's)
     pld_plus_layer: int | None = None  # PLD+(h): hidden-state layer; None = the calibration's, else 9/32 of the depth
     pld_plus_num_heads: int | None = None  # PLD+(a): the calibration's best N heads; None = as many as it chose
+    num_draft_tokens: int = 5  # draft model: tokens drafted per step at most (k; SV's setting)
 
     def __post_init__(self) -> None:
-        for name in ("copy_gamma", "copy_max_tokens", "ngram_k", "ngram_w", "pld_num_tokens", "pld_plus_max_tokens"):
+        for name in ("copy_gamma", "copy_max_tokens", "ngram_k", "ngram_w", "pld_num_tokens", "pld_plus_max_tokens", "num_draft_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.pld_plus_layer is not None and self.pld_plus_layer < 1:

@@ -8,6 +8,7 @@ from drafters.base import Drafter, DrafterContext
 from drafters.bigram import BackgroundTable, LogProgress, build_bigram_table, table_path
 from drafters.config import SpecConfig
 from drafters.copyspec import CopySpecDrafter
+from drafters.model_draft import CopyThenDraft, ModelDrafter
 from drafters.ngram import NgramDrafter
 from drafters.pld import PromptLookupDrafter
 from drafters.pld_plus import PldPlusDrafter
@@ -15,6 +16,16 @@ from drafters.pld_plus import PldPlusDrafter
 
 def _copyspec(config: SpecConfig, context: DrafterContext) -> Drafter:
     return CopySpecDrafter(config.copy_gamma, config.copy_max_tokens)
+
+
+def _draft(config: SpecConfig, context: DrafterContext) -> Drafter:
+    if context.draft_forward is None:
+        raise ValueError(f"--drafter {config.drafter} needs a draft model: pass --draft-model (early-exit:N or a model)")
+    return ModelDrafter(context.draft_forward, config.num_draft_tokens)
+
+
+def _copyspec_then_draft(config: SpecConfig, context: DrafterContext) -> Drafter:
+    return CopyThenDraft(_copyspec(config, context), _draft(config, context))
 
 
 def _pld(config: SpecConfig, context: DrafterContext) -> Drafter:
@@ -63,6 +74,8 @@ logger = logging.getLogger("specserve.drafters")
 
 _BUILDERS: dict[str, Callable[[SpecConfig, DrafterContext], Drafter]] = {
     "copyspec": _copyspec,
+    "copyspec+draft": _copyspec_then_draft,
+    "draft": _draft,
     "ngram": _ngram,
     "pld": _pld,
     "pld-plus": _pld_plus,

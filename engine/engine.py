@@ -9,6 +9,7 @@ from drafters.base import Draft
 from drafters.registry import build_drafter
 from engine.batching import forward_batch
 from engine.config import CacheConfig, EngineConfig
+from engine.draft_model import DraftForward, DraftModel, draft_pool, load_draft_model
 from engine.drafter_context import drafter_context
 from engine.forward import ForwardBatch, ForwardOutput
 from engine.grammar import GrammarError, Grammars
@@ -43,20 +44,34 @@ class Engine:
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = loaded.model.config.vocab_size
         backend = resolve_attention_backend(config.cache.attention_backend, loaded.device)
-        pool, blocks = _allocate_kv_pool(loaded, config.cache, backend)
+        draft = load_draft_model(config.model.draft_model, loaded, config.model) if config.model.draft_model else None
+        pool, blocks = _allocate_kv_pool(loaded, config.cache, backend, draft.kv_bytes_per_position if draft else 0)
         self.max_model_len = min(loaded.max_model_len, blocks.num_blocks * blocks.block_size)
         self.runner = PackedModelRunner(loaded.model, loaded.device, pool, blocks.block_size, backend)
         self.latency_profile = profile_forward_latency(self.runner, blocks, self.vocab_size, self.max_model_len)  # s by num tokens
         self.path_seconds_per_position = profile_path_seconds(self.runner, blocks, self.vocab_size, self.max_model_len)
+        self.draft_forward = self._draft_forward(draft, pool, blocks, backend, loaded) if draft else None
         sessions = SessionStore(config.sessions, blocks) if config.sessions.mode != "off" else None
         self.scheduler = Scheduler(
             config.scheduler, self.max_model_len, self.eos_token_ids, blocks,
             LatencyModel(self.latency_profile, self.path_seconds_per_position), sessions=sessions,
+            draft_latency=LatencyModel(self.draft_latency_profile) if draft else None,
         )
-        self.speculation = Speculation(build_drafter(config.spec, drafter_context(loaded, config.model)))
+        context = drafter_context(loaded, config.model)
+        context.draft_forward = self.draft_forward
+        self.speculation = Speculation(build_drafter(config.spec, context))
+        self.num_draft_tokens = config.spec.num_draft_tokens
         self.max_session_host_bytes = int(config.sessions.host_memory_mib * 2**20)
         self.grammars = Grammars(lambda: load_tokenizer(config.model), self.vocab_size, self.eos_token_ids)
         self.verifier = Verifier(self.grammars)
+
+    def _draft_forward(
+        self, draft: DraftModel, pool: PagedKVPool, blocks: KVBlockManager, backend: str, loaded: LoadedModel,
+    ) -> DraftForward:
+        """The draft model's runner over its pool (the target's, for an early exit), profiled like the target's."""
+        runner = PackedModelRunner(draft.model, loaded.device, draft_pool(draft, pool, loaded.device), blocks.block_size, backend)
+        self.draft_latency_profile = profile_forward_latency(runner, blocks, self.vocab_size, self.max_model_len)
+        return DraftForward(draft, runner, blocks)
 
     def ready_message(self) -> EngineReady:
         return EngineReady(
@@ -151,12 +166,17 @@ class Engine:
         batch, model_out = self._execute(sched_out)
         results, logprobs = self._verify(sched_out.scheduled, model_out)
         update = self.scheduler.update(sched_out, results)
-        self.runner.move_kv(update.kv_moves)
-        self._after_update(sched_out, batch, model_out, results, update)
+        self._move_kv(update.kv_moves)
+        draft_seconds = self._after_update(sched_out, batch, model_out, results, update)
         update.stats.step_seconds = time.perf_counter() - start
-        self.scheduler.observe_step_seconds(sched_out, update.stats.step_seconds)
+        self.scheduler.observe_step_seconds(sched_out, update.stats.step_seconds - draft_seconds)
         outputs = [_wire_output(u, logprobs.get(u.request_id)) for u in update.updates]
         return EngineOutputs(outputs=outputs, stats=update.stats)
+
+    def _move_kv(self, moves: list[tuple[int, int]]) -> None:
+        self.runner.move_kv(moves)
+        if self.draft_forward and not self.draft_forward.shares_target_kv:
+            self.draft_forward.runner.move_kv(moves)
 
     def _execute(self, sched_out: SchedulerOutput) -> tuple[ForwardBatch, ForwardOutput | None]:
         self.speculation.preempt(sched_out.preempted)
@@ -172,16 +192,24 @@ class Engine:
             if not item.num_logits:
                 results.append(Verification([]))
                 continue
-            result, request_logprobs = self.verifier.verify(item.req, logits, item.draft_token_ids, item.draft_parents)
+            result, request_logprobs = self.verifier.verify(
+                item.req, logits, item.draft_token_ids, item.draft_parents, self._draft_probs(item),
+            )
             results.append(result)
             if request_logprobs is not None:
                 logprobs[item.req.request_id] = request_logprobs
         return results, logprobs
 
+    def _draft_probs(self, item: ScheduledRequest) -> torch.Tensor | None:
+        """[num verified, vocab] the draft distributions of the verified nodes, for drafts sampled from a model."""
+        probs = self.speculation.distributions(item.req) if item.num_draft_tokens else None
+        return probs[item.draft_nodes] if probs is not None else None
+
     def _after_update(
         self, sched_out: SchedulerOutput, batch: ForwardBatch, model_out: ForwardOutput | None,
         results: list[Verification], update: StepUpdate,
-    ) -> None:
+    ) -> float:
+        """Show the drafter what the step did, and draft for the next; returns the seconds spent drafting."""
         self.speculation.observe(sched_out.scheduled, batch, model_out, results)
         by_id = {item.req.request_id: item.req for item in sched_out.scheduled}
         for request_update in update.updates:
@@ -191,8 +219,13 @@ class Engine:
             else:
                 self.speculation.extend(req, request_update.new_token_ids)
         decoding = [req for req in self.scheduler.running if req.is_decoding]
+        start = time.perf_counter()
+        if self.draft_forward:
+            self.draft_forward.budgets = self.scheduler.reserve_model_drafts(decoding, self.num_draft_tokens, "draft")
         self.scheduler.set_drafts(decoding, self._grammatical(decoding, self.speculation.propose(decoding)))
+        draft_seconds = time.perf_counter() - start if self.draft_forward else 0.0
         self._add_cache_stats(update.stats)
+        return draft_seconds
 
     def _grammatical(self, reqs: list[Request], drafts: list[Draft]) -> list[Draft]:
         """Drafts cut to what each request's grammar allows, so that forbidden tokens are never verified."""
@@ -242,14 +275,19 @@ def _wire_output(update: RequestUpdate, logprobs: list[TokenLogprob] | None) -> 
     )
 
 
-def _allocate_kv_pool(loaded: LoadedModel, cache: CacheConfig, backend: str) -> tuple[PagedKVPool, KVBlockManager]:
-    """The paged pool sized from the memory budget, and the block manager that hands out its blocks."""
+def _allocate_kv_pool(
+    loaded: LoadedModel, cache: CacheConfig, backend: str, extra_bytes_per_position: int = 0,
+) -> tuple[PagedKVPool, KVBlockManager]:
+    """The paged pool sized from the memory budget, and the block manager that hands out its blocks. The budget is
+    split by bytes per position with the pools of the other models (EXTRA_BYTES_PER_POSITION), which have as many
+    slots."""
     shape = kv_shape(loaded.model.config)
     dtype = next(loaded.model.parameters()).dtype
     block_size = cache.block_size or (FLASH_BLOCK_SIZE if backend == "flash" else DEFAULT_BLOCK_SIZE)
     if backend == "flash" and block_size % FLASH_BLOCK_SIZE:
         raise ValueError(f"the flash attention backend needs a block size that is a multiple of {FLASH_BLOCK_SIZE}")
-    num_blocks = int(cache.kv_cache_memory_gib * 2**30) // (PagedKVPool.bytes_per_slot(*shape, dtype) * block_size)
+    bytes_per_position = PagedKVPool.bytes_per_slot(*shape, dtype) + extra_bytes_per_position
+    num_blocks = int(cache.kv_cache_memory_gib * 2**30) // (bytes_per_position * block_size)
     if num_blocks * block_size < 64:
         raise ValueError(f"--kv-cache-memory {cache.kv_cache_memory_gib} GiB holds fewer than 64 positions of this model")
     pool = PagedKVPool(shape[0], num_blocks * block_size, shape[1], shape[2], dtype, loaded.device)

@@ -56,6 +56,10 @@ class Speculation:
     def propose(self, reqs: list[Request]) -> list[Draft]:
         return self.drafter.propose(reqs) if self.drafter and reqs else []
 
+    def distributions(self, req: Request):
+        """The distributions the request's draft was sampled from (a draft model's q), or None for point masses."""
+        return self.drafter.distributions(req) if self.drafter else None
+
     def preempt(self, reqs: list[Request]) -> None:
         if self.drafter:
             for req in reqs:

@@ -16,6 +16,15 @@ depends on its distribution and uniform alone, never on what was drafted, so a
 seeded request samples the same tokens with or without speculation. p is the
 distribution plain sampling draws from (engine/sampler.py's target_probs).
 
+A draft sampled from a draft model's distribution q (a chain) is verified by the
+speculative-sampling rule instead (Leviathan et al. 2023; Chen et al. 2023): at each
+depth the drafted x is accepted with probability min(1, p(x)/q(x)), else the depth's
+token is drawn from the residual (p - q)+ renormalised, and the walk ends. Every token
+is then emitted with probability p. The accept test draws from a second uniform stream
+of the request, one uniform per output position as well; the output still depends on
+what was drafted (a residual is not p), but a seeded request with the same drafts
+samples the same tokens. Greedy requests ignore q: the argmax walk is exact.
+
 A request that changes its logits (penalties, bias, a grammar) or asks for
 log-probabilities is walked one position at a time through its LogitsProcessor
 (engine/logits_processing.py), which counts the tokens emitted earlier in the walk:
@@ -26,7 +35,9 @@ from __future__ import annotations
 
 import torch
 
-from drafters.tree import ROOT, children, depths
+from collections.abc import Callable
+
+from drafters.tree import ROOT, chain_parents, children, depths
 from engine.grammar import Grammars
 from engine.logits_processing import LogitsProcessor
 from engine.logprobs import token_logprob
@@ -34,6 +45,8 @@ from engine.sampler import UniformStream, inverse_cdf_samples, target_probs
 from engine.wire import SamplingParams, TokenLogprob
 from scheduler.records import Verification
 from scheduler.request import Request
+
+ACCEPT_SEED_OFFSET = 0xACCE97  # a seeded request's accept tests draw from a generator seeded apart from its samples
 
 
 def walk_tree(choose, draft_token_ids: list[int], draft_parents: list[int]) -> Verification:
@@ -66,6 +79,31 @@ def verify_sampled(
     )
 
 
+def walk_residual(
+    target: Callable[[int], torch.Tensor], draft_token_ids: list[int], draft_probs: torch.Tensor,
+    uniforms: list[float], accept_uniforms: list[float], emit: Callable[[int], None],
+) -> Verification:
+    """Walk a chain sampled from q. target(row) -> p at logits row `row` (0 = the last real token, 1 + j = drafted
+    token j); draft_probs [num drafted, vocab] q; uniforms and accept_uniforms [num drafted + 1] in (0, 1];
+    emit(token) is told each emitted token in order (before the next row's p is asked for)."""
+    tokens, accepted = [], []
+    for depth, token in enumerate(draft_token_ids):
+        p, q = target(depth), draft_probs[depth]
+        if accept_uniforms[depth] * float(q[token]) <= float(p[token]):
+            tokens.append(token)
+            accepted.append(depth)
+            emit(token)
+            continue
+        residual = (p - q).clamp_min(0.0)
+        token = inverse_cdf_samples((residual if residual.sum() > 0 else p)[None], [uniforms[depth]])[0]  # 0: rounding
+        emit(token)
+        return Verification(tokens + [token], accepted)
+    p = target(len(draft_token_ids))
+    token = inverse_cdf_samples(p[None], [uniforms[len(draft_token_ids)]])[0]
+    emit(token)
+    return Verification(tokens + [token], accepted)
+
+
 def processed_chooser(
     processor: LogitsProcessor, logits: torch.Tensor, uniforms: list[float] | None, logprobs: list[TokenLogprob],
 ):
@@ -91,17 +129,22 @@ class Verifier:
 
     def __init__(self, grammars: Grammars) -> None:
         self._streams: dict[str, UniformStream] = {}
+        self._accept_streams: dict[str, UniformStream] = {}  # model drafts' accept tests
         self.grammars = grammars
 
     def verify(
         self, req: Request, logits: torch.Tensor, draft_token_ids: list[int], draft_parents: list[int],
+        draft_probs: torch.Tensor | None = None,
     ) -> tuple[Verification, list[TokenLogprob] | None]:
-        """The walk's result, and the emitted tokens' log-probabilities when the request asked for them."""
+        """The walk's result, and the emitted tokens' log-probabilities when the request asked for them.
+        DRAFT_PROBS: [num drafted, vocab] q of a chain sampled from a draft model; None for point masses."""
         params = req.sampling
         uniforms = None if params.greedy else self._stream(req.request_id, params).next(
             max(depths(draft_parents), default=0) + 1
         )
-        if params.processes_logits or params.logprobs is not None:
+        if draft_probs is not None and not params.greedy:
+            result, logprobs = self._verify_model_draft(req, logits, draft_token_ids, draft_parents, draft_probs, uniforms)
+        elif params.processes_logits or params.logprobs is not None:
             logprobs: list[TokenLogprob] = []
             processor = LogitsProcessor(req, self.grammars)
             result = walk_tree(processed_chooser(processor, logits, uniforms, logprobs), draft_token_ids, draft_parents)
@@ -112,6 +155,31 @@ class Verifier:
             self._streams[req.request_id].advance(len(result.token_ids))
         return result, logprobs if params.logprobs is not None else None
 
+    def _verify_model_draft(
+        self, req: Request, logits: torch.Tensor, draft_token_ids: list[int], draft_parents: list[int],
+        draft_probs: torch.Tensor, uniforms: list[float],
+    ) -> tuple[Verification, list[TokenLogprob]]:
+        if draft_parents != chain_parents(len(draft_parents)):
+            raise ValueError("drafts sampled from a draft model are chains")
+        params, logprobs = req.sampling, []
+        accept_uniforms = self._stream(req.request_id, params, self._accept_streams).next(len(uniforms))
+        processor = LogitsProcessor(req, self.grammars) if params.processes_logits or params.logprobs is not None else None
+        processed_rows = []
+
+        def target(row: int) -> torch.Tensor:
+            processed_rows.append(processor.apply(logits[row]) if processor else logits[row])
+            return target_probs(processed_rows[-1][None], params)[0]
+
+        def emit(token: int) -> None:
+            if processor:
+                if params.logprobs is not None:
+                    logprobs.append(token_logprob(processed_rows[-1], token, params))
+                processor.emit(token)
+
+        result = walk_residual(target, draft_token_ids, draft_probs, uniforms, accept_uniforms, emit)
+        self._accept_streams[req.request_id].advance(len(result.token_ids))
+        return result, logprobs
+
     @staticmethod
     def _verify_plain(
         logits: torch.Tensor, draft_token_ids: list[int], draft_parents: list[int], params: SamplingParams,
@@ -121,12 +189,17 @@ class Verifier:
             return verify_greedy(logits, draft_token_ids, draft_parents)
         return verify_sampled(target_probs(logits, params), draft_token_ids, draft_parents, uniforms)
 
-    def _stream(self, request_id: str, params: SamplingParams) -> UniformStream:
-        if request_id not in self._streams:
-            generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-            self._streams[request_id] = UniformStream(generator)
-        return self._streams[request_id]
+    def _stream(
+        self, request_id: str, params: SamplingParams, streams: dict[str, UniformStream] | None = None,
+    ) -> UniformStream:
+        streams = self._streams if streams is None else streams
+        if request_id not in streams:
+            offset = 0 if streams is self._streams else ACCEPT_SEED_OFFSET
+            generator = None if params.seed is None else torch.Generator().manual_seed(params.seed + offset)
+            streams[request_id] = UniformStream(generator)
+        return streams[request_id]
 
     def finish(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        self._accept_streams.pop(request_id, None)
         self.grammars.finish(request_id)

@@ -15,6 +15,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.draft_selection import DraftSelector, attach_draft
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.latency import LatencyModel
+from scheduler.model_drafts import ModelDraftBudget
 from scheduler.planner import num_extra_paths
 from scheduler.records import ScheduledRequest, SchedulerOutput, StepStats, StepUpdate, Verification
 from scheduler.request import Request, RequestStatus
@@ -36,6 +37,7 @@ class Scheduler:
         latency: LatencyModel | None = None,
         estimator: AcceptanceEstimator | None = None,
         sessions: SessionStore | None = None,
+        draft_latency: LatencyModel | None = None,
     ) -> None:
         self.config = config
         self.blocks = blocks
@@ -46,6 +48,10 @@ class Scheduler:
         self.selector = DraftSelector(config, self.estimator, max_model_len)
         self.updater = RequestUpdater(max_model_len, eos_token_ids, blocks, self.estimator, self._finish)
         self.step_overhead_seconds = 0.0  # running mean of measured step time minus the profiled forward time
+        planned = bool(latency and config.use_goodput_planner)
+        self.model_drafts = ModelDraftBudget(
+            self.estimator, blocks, max_model_len, self._step_seconds if planned else None, draft_latency,
+        )
 
     @property
     def waiting(self):
@@ -88,6 +94,10 @@ class Scheduler:
     def _finish(self, req: Request, reason: str) -> None:
         self.admission.finish(req, reason)
         self.estimator.forget(req.request_id)
+
+    def reserve_model_drafts(self, reqs: list[Request], max_tokens: int, source: str) -> dict[str, int]:
+        """Per request id, how many tokens it drafts with a model before the next step (scheduler/model_drafts.py)."""
+        return self.model_drafts.reserve(reqs, max_tokens, source)
 
     def set_drafts(self, reqs: list[Request], drafts: list[Draft]) -> None:
         for req, draft in zip(reqs, drafts):

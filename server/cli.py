@@ -45,6 +45,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pld-plus-max-tokens", type=int, default=SpecConfig.pld_plus_max_tokens, help="PLD+: tokens copied (K)")
     parser.add_argument("--pld-plus-layer", type=int, default=None, help="PLD+(h): hidden-state layer (default: calibrated)")
     parser.add_argument("--pld-plus-num-heads", type=int, default=None, help="PLD+(a): how many calibrated heads (default: calibrated)")
+    parser.add_argument(
+        "--draft-model", default=None,
+        help="a draft model for --drafter draft / copyspec+draft: early-exit:N (the target's first N layers and its LM head, "
+             "sharing its weights and KV) or what --model takes (same vocabulary as the target)",
+    )
+    parser.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens,
+                        help="draft model: tokens drafted per step at most (the goodput planner may draft fewer)")
     parser.add_argument("--cache-dir", default=None, help="where tables derived from the model are kept (default: $XDG_CACHE_HOME/specserve)")
     parser.add_argument(
         "--session-mode", choices=SESSION_MODES, default=SessionConfig.mode,
@@ -61,7 +68,7 @@ def engine_config_from_args(args: argparse.Namespace, drafter: str) -> EngineCon
     return EngineConfig(
         model=ModelConfig(
             args.model, args.device, args.dtype, args.max_model_len, args.trust_remote_code, args.num_threads,
-            cache_dir=args.cache_dir, weights=args.weights,
+            cache_dir=args.cache_dir, weights=args.weights, draft_model=args.draft_model,
         ),
         cache=CacheConfig(args.kv_cache_memory, args.block_size, args.attention_backend),
         scheduler=SchedulerConfig(
@@ -74,7 +81,7 @@ def engine_config_from_args(args: argparse.Namespace, drafter: str) -> EngineCon
             drafter=drafter, copy_gamma=args.copy_gamma, copy_max_tokens=args.copy_max_tokens, ngram_k=args.ngram_k,
             ngram_w=args.ngram_w, pld_num_tokens=args.pld_num_tokens, pld_plus_ranking=args.pld_plus_ranking,
             pld_plus_max_tokens=args.pld_plus_max_tokens, pld_plus_layer=args.pld_plus_layer,
-            pld_plus_num_heads=args.pld_plus_num_heads,
+            pld_plus_num_heads=args.pld_plus_num_heads, num_draft_tokens=args.num_draft_tokens,
         ),
         sessions=SessionConfig(args.session_mode, args.session_ttl, args.max_sessions, args.session_host_memory),
     )

@@ -42,3 +42,26 @@ def tiny_model_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(path)
     return str(path)
+
+
+def _save_tiny_llama(path, seed: int, vocab_size: int, num_layers: int) -> str:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_model_dir(tmp_path_factory) -> str:
+    """A separate, randomly initialised one-layer draft model with the tiny model's vocabulary."""
+    return _save_tiny_llama(tmp_path_factory.mktemp("tiny-draft"), seed=99, vocab_size=TINY_VOCAB, num_layers=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_other_vocab_dir(tmp_path_factory) -> str:
+    """A tiny model whose vocabulary is not the tiny model's."""
+    return _save_tiny_llama(tmp_path_factory.mktemp("tiny-other-vocab"), seed=7, vocab_size=TINY_VOCAB + 16, num_layers=1)

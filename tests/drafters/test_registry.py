@@ -15,7 +15,7 @@ def context(tmp_path: Path, vocab=16) -> DrafterContext:
 
 
 def test_registry_builds_by_name(tmp_path):
-    assert DRAFTER_NAMES == ("none", "copyspec", "ngram", "pld", "pld-plus")
+    assert DRAFTER_NAMES == ("none", "copyspec", "copyspec+draft", "draft", "ngram", "pld", "pld-plus")
     assert build_drafter(SpecConfig(drafter="none"), context(tmp_path)) is None
     copy = build_drafter(SpecConfig(drafter="copyspec", copy_gamma=5, copy_max_tokens=7), context(tmp_path))
     assert (copy.gamma, copy.max_tokens) == (5, 7)
@@ -26,6 +26,8 @@ def test_registry_builds_by_name(tmp_path):
     assert plus.ranking == "hidden" and plus.captures.hidden_layer == 1 and plus.max_tokens == 70
     with pytest.raises(ValueError, match="calibrate"):
         build_drafter(SpecConfig(drafter="pld-plus", pld_plus_ranking="attention"), context(tmp_path))
+    with pytest.raises(ValueError, match="--draft-model"):  # the engine lends a draft model's forward only when it has one
+        build_drafter(SpecConfig(drafter="copyspec+draft"), context(tmp_path))
     with pytest.raises(ValueError, match="unknown drafter"):
         build_drafter(SpecConfig(drafter="nope"), context(tmp_path))
 

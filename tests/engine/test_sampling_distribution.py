@@ -80,3 +80,26 @@ def test_speculative_sampling_matches_plain_sampling(tiny_model_dir, params, tre
     table = [list(col) for col in zip(*table) if sum(col) >= 5]  # drop cells too sparse for chi-square
     result = chi2_contingency(list(zip(*table)))
     assert result.pvalue > 1e-3, result
+
+
+@pytest.mark.slow
+def test_sampling_with_a_draft_model_matches_plain_sampling(tiny_model_dir):
+    """Drafts sampled from an early exit of the target, verified by min(1, p/q) and the residual (p - q)+."""
+    def engine(drafter, draft_model=None):
+        return Engine(EngineConfig(
+            model=ModelConfig(model=tiny_model_dir, device="cpu", draft_model=draft_model),
+            scheduler=SchedulerConfig(
+                max_num_seqs=NUM_SAMPLES, max_num_batched_tokens=32 * NUM_SAMPLES, max_waiting=NUM_SAMPLES,
+                use_goodput_planner=False,
+            ),
+            spec=SpecConfig(drafter=drafter, num_draft_tokens=2),
+        ))
+
+    params = SamplingParams(temperature=0.8, top_k=10, max_tokens=3, ignore_eos=True)
+    plain, _ = sample_pairs(engine("none"), params)
+    speculative, num_accepted = sample_pairs(engine("draft", "early-exit:1"), params)
+    assert 20 <= num_accepted < 2 * NUM_SAMPLES  # accepted and rejected drafts both ran
+    keys = sorted(set(plain) | set(speculative))
+    table = [list(col) for col in zip([plain.get(k, 0) for k in keys], [speculative.get(k, 0) for k in keys]) if sum(col) >= 5]
+    result = chi2_contingency(list(zip(*table)))
+    assert result.pvalue > 1e-3, result

@@ -93,3 +93,24 @@ def test_a_depths_token_does_not_depend_on_what_was_drafted():
     own = inverse_cdf_samples(probs[:1], uniforms[:1])[0]
     for tokens, parents in (([], []), ([own], [-1]), ([(own + 1) % VOCAB, own], [-1, -1])):
         assert verify_sampled(probs, tokens, parents, uniforms).token_ids[0] == own
+
+
+def test_the_residual_rule_emits_every_token_with_the_target_probability():
+    """min(1, p/q) then (p - q)+ renormalised: the first emitted token is distributed as p whatever q drafted."""
+    import torch
+    from scipy.stats import chisquare
+
+    from engine.verifier import walk_residual
+
+    generator = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.5, 0.2, 0.2, 0.1, 0.0])
+    q = torch.tensor([0.1, 0.1, 0.3, 0.3, 0.2])
+    counts = torch.zeros(5)
+    num_samples = 20000
+    for _ in range(num_samples):
+        drafted = int(torch.multinomial(q, 1, generator=generator))
+        uniforms = (1 - torch.rand(4, generator=generator, dtype=torch.float64)).tolist()
+        result = walk_residual(lambda row: p, [drafted], q[None], uniforms[:2], uniforms[2:], lambda token: None)
+        counts[result.token_ids[0]] += 1
+    assert counts[4] == 0, "a token the target gives no mass is never emitted"
+    assert chisquare(counts[:4].numpy(), (p[:4] * num_samples).numpy()).pvalue > 1e-3

@@ -1,0 +1,145 @@
+"""`specserve bench models`: speculative decoding with a draft model, at several batch sizes, against plain decoding.
+
+Modes (one engine each, all loaded up front, driven one after another at each batch size
+and temperature, the order reversed at every other batch size):
+- `none`: plain decoding;
+- `sd-k5`, `sd-k7`: the draft model drafts k tokens every step, all verified (planner off);
+- `sd-planner`: k = 5 at most, the goodput planner decides how many to draft and verify;
+- `copyspec`, `copyspec+draft`: CopySpec, and CopySpec falling back to the draft model (planner on).
+MT-Bench turn 1 for all but the copy modes, which answer MT-Redundant turn 2 (turn 1's
+greedy answer from `none` in the history) and are compared with `none` on the same turn.
+
+A batch of B is B requests submitted at once to one in-process engine (continuous
+batching; no HTTP), the wall time from submission to the last token. Greedy rows say
+whether every output equals `none`'s (near-ties judged as in bench/exactness.py);
+sampled rows (temperature 0.7) cannot be compared token for token.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from bench.data import load_questions
+from bench.exactness import divergence_verdict
+from bench.mt import turn_prompts
+from engine.engine import Engine
+from engine.wire import EngineRequest, SamplingParams
+
+MODES = {  # mode -> (drafter, goodput planner, drafted tokens, questions)
+    "none": ("none", True, 5, "mt-bench"),
+    "sd-k5": ("draft", False, 5, "mt-bench"),
+    "sd-k7": ("draft", False, 7, "mt-bench"),
+    "sd-planner": ("draft", True, 5, "mt-bench"),
+    "copyspec": ("copyspec", True, 5, "mt-redundant"),
+    "copyspec+draft": ("copyspec+draft", True, 5, "mt-redundant"),
+}
+TEMPERATURES = (0.0, 0.7)
+
+
+def mode_engine(args, engine_config_from_args, mode: str) -> Engine:
+    drafter, planner, num_tokens, _ = MODES[mode]
+    config = engine_config_from_args(args, drafter)
+    return Engine(replace(
+        config,
+        model=replace(config.model, draft_model=args.draft_model or "early-exit:29" if drafter != "none" else None),
+        scheduler=replace(config.scheduler, use_goodput_planner=planner),
+        spec=replace(config.spec, num_draft_tokens=num_tokens),
+    ))
+
+
+def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Submit every prompt at once; outputs, seconds and speculation totals."""
+    ids = [f"b{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    start = time.perf_counter()
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(EngineRequest(request_id, prompt, params))
+    tokens = {request_id: [] for request_id in ids}
+    spec = {}
+    while engine.has_work:
+        for output in engine.step().outputs:
+            tokens[output.request_id] += output.new_token_ids
+            spec[output.request_id] = output.spec
+    seconds = time.perf_counter() - start
+    drafts = sum(s.num_drafts for s in spec.values())
+    verified = sum(s.num_draft_tokens for s in spec.values())
+    accepted = sum(s.num_accepted_tokens for s in spec.values())
+    return {
+        "outputs": [tokens[i] for i in ids], "seconds": seconds,
+        "tokens_per_s": sum(len(t) for t in tokens.values()) / seconds,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+        "verified_draft_tokens": verified, "accepted_draft_tokens": accepted,
+        "rejected_share": (verified - accepted) / verified if verified else None,
+    }
+
+
+def question_prompts(args, tokenizer, baseline: Engine) -> dict[str, list[list[int]]]:
+    """MT-Bench turn 1, and MT-Redundant turn 2 after `none`'s greedy turn-1 answer."""
+    bench = [turn_prompts(tokenizer, q, None) for q in load_questions("mt-bench", args.data_dir)]
+    redundant = load_questions("mt-redundant", args.data_dir)[:max(args.concurrency)]
+    first = run_batch(baseline, [turn_prompts(tokenizer, q, None) for q in redundant], greedy(args))["outputs"]
+    answers = [tokenizer.decode(a, skip_special_tokens=True) for a in first]
+    return {"mt-bench": bench, "mt-redundant": [turn_prompts(tokenizer, q, [a]) for q, a in zip(redundant, answers)]}
+
+
+def greedy(args) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
+
+
+def run_models_benchmark(args: argparse.Namespace, engine_config_from_args, tokenizer, out_dir: Path) -> dict:
+    engines = {mode: mode_engine(args, engine_config_from_args, mode) for mode in MODES}
+    prompts = question_prompts(args, tokenizer, engines["none"])
+    rows = []
+    for level, batch in enumerate(args.concurrency):
+        for temperature in TEMPERATURES:
+            params = SamplingParams(temperature=temperature, max_tokens=args.max_new_tokens, seed=None)
+            order = list(MODES) if level % 2 == 0 else list(MODES)[::-1]
+            results = {mode: run_batch(engines[mode], prompts[MODES[mode][3]][:batch], params) for mode in order}
+            rows += level_rows(batch, temperature, results, prompts, engines["none"].runner.model)
+            print(json.dumps(rows[-len(MODES):], default=str), flush=True)
+    results = {"command": "specserve " + shlex.join(sys.argv[1:]), "summary": rows,
+               "draft_model": args.draft_model or "early-exit:29", "max_new_tokens": args.max_new_tokens}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "results.md").write_text(markdown(results))
+    return results
+
+
+def level_rows(batch: int, temperature: float, results: dict, prompts: dict, model) -> list[dict]:
+    rows = []
+    for mode in MODES:
+        result = results[mode]
+        baseline = results["none"] if MODES[mode][3] == "mt-bench" else None
+        identical = None
+        if temperature == 0.0 and baseline is not None:
+            identical = all(divergence_verdict(model, p, a, b) != "mismatch"
+                            for p, a, b in zip(prompts["mt-bench"], baseline["outputs"], result["outputs"]))
+        row = {"batch_size": batch, "temperature": temperature, "mode": mode, "questions": MODES[mode][3],
+               "all_identical_to_baseline": identical}
+        row.update({k: v for k, v in result.items() if k != "outputs"})
+        if baseline is not None:
+            row["speedup_vs_none"] = result["tokens_per_s"] / baseline["tokens_per_s"]
+        rows.append(row)
+    copy, both, row = results["copyspec"], results["copyspec+draft"], rows[list(MODES).index("copyspec+draft")]
+    if temperature == 0.0:
+        row["all_identical_to_copyspec"] = copy["outputs"] == both["outputs"]
+    row["speedup_vs_copyspec"] = both["tokens_per_s"] / copy["tokens_per_s"]
+    return rows
+
+
+def markdown(results: dict) -> str:
+    lines = [f"# Draft models: `{results['draft_model']}`", "", f"Command: `{results['command']}`", "",
+             "| batch | temp | mode | questions | tokens/s | × none | mean acc. len | rejected share | identical |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results["summary"]:
+        rejected = f"{r['rejected_share']:.2f}" if r["rejected_share"] is not None else "–"
+        speedup = f"{r['speedup_vs_none']:.2f}" if "speedup_vs_none" in r else f"{r['speedup_vs_copyspec']:.2f} × copyspec" if "speedup_vs_copyspec" in r else "–"
+        same = r["all_identical_to_baseline"] if r["all_identical_to_baseline"] is not None else r.get("all_identical_to_copyspec")
+        identical = {None: "–", True: "yes", False: "NO"}[same]
+        lines.append(f"| {r['batch_size']} | {r['temperature']} | {r['mode']} | {r['questions']} | {r['tokens_per_s']:.1f} | "
+                     f"{speedup} | {r['mean_acceptance_length']:.2f} | {rejected} | {identical} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,70 @@
+"""How many tokens requests draft with a model: the batch's depth by expected goodput, blocks reserved for them."""
+from engine.wire import SamplingParams
+from scheduler.acceptance import TreeAcceptance
+from scheduler.kv_blocks import KVBlockManager
+from scheduler.model_drafts import EXPLORE_EVERY, ModelDraftBudget, best_draft_depth
+from scheduler.request import Request
+
+
+def params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def linear(per_token: float, fixed: float):
+    return lambda num_tokens: fixed + per_token * num_tokens
+
+
+def test_a_cheap_draft_that_is_often_accepted_drafts_deep():
+    # verifying costs little more than decoding; drafting is a tenth of a forward; 90% acceptance
+    assert best_draft_depth([0.9 ** i for i in range(1, 6)], 4, linear(0.001, 0.1), linear(0.0001, 0.01)) == 5
+
+
+def test_a_draft_that_costs_a_target_forward_is_turned_off():
+    assert best_draft_depth([0.6 ** i for i in range(1, 6)], 4, linear(0.001, 0.1), linear(0.001, 0.1)) == 0
+
+
+def test_depth_stops_where_acceptance_no_longer_pays_for_the_verified_tokens():
+    # each verified token costs 10% of a forward: the first few pay, the unlikely last ones do not
+    depth = best_draft_depth([0.8, 0.5, 0.2, 0.05, 0.01], 1, linear(0.01, 0.1), linear(0.0, 0.001))
+    assert 1 <= depth < 5
+
+
+def budget(planned: bool, rate: float = 0.5):
+    estimator = TreeAcceptance(rate, 1e6)  # the prior, unmoved
+    blocks = KVBlockManager(num_blocks=8, block_size=4)
+    costly = linear(0.001, 0.1)
+    return ModelDraftBudget(estimator, blocks, 1024, costly if planned else None, costly if planned else None), blocks
+
+
+def decoding_request(request_id: str, num_tokens: int, blocks: KVBlockManager) -> Request:
+    req = Request(request_id, list(range(3, 3 + num_tokens)), params(max_tokens=50))
+    req.num_computed_tokens = num_tokens - 1
+    blocks.grow(request_id, num_tokens)
+    return req
+
+
+def test_without_the_planner_every_request_drafts_the_most_and_gets_its_blocks():
+    model_drafts, blocks = budget(planned=False)
+    req = decoding_request("a", 6, blocks)  # 5 computed, one block and a half
+    assert model_drafts.reserve([req], 5, "draft") == {"a": 5}
+    assert len(blocks.block_tables["a"]) == 3  # positions 5..9 drafted: 10 positions
+
+
+def test_drafts_are_cut_to_the_free_blocks_and_the_tokens_a_request_may_still_generate():
+    model_drafts, blocks = budget(planned=False)
+    hog = decoding_request("hog", 26, blocks)  # 7 blocks
+    req = decoding_request("a", 3, blocks)  # the last block: positions 0..3
+    assert model_drafts.reserve([req], 5, "draft") == {"a": 2}  # positions 2 and 3
+    short = Request("short", [5, 6, 7], params(max_tokens=3))
+    short.all_token_ids += [8, 9]  # two of its three tokens generated: the bonus token is its last
+    short.num_computed_tokens = 4
+    assert model_drafts.reserve([short, hog], 5, "draft")["short"] == 0
+
+
+def test_the_planner_turns_a_useless_draft_model_off_but_keeps_measuring_it():
+    model_drafts, blocks = budget(planned=True, rate=0.05)
+    req = decoding_request("a", 6, blocks)
+    depths = [model_drafts.reserve([req], 5, "draft")["a"] for _ in range(2 * EXPLORE_EVERY)]
+    assert depths.count(1) == 2 and set(depths) == {0, 1}
+    model_drafts.estimator.prior, model_drafts.draft_seconds = 0.99, linear(0.0001, 0.001)  # right and cheap now
+    assert model_drafts.reserve([req], 5, "draft")["a"] > 0
