@@ -10,8 +10,10 @@ drafts the depth d in 0..k whose expected goodput is best:
 where P_i is the probability that the i-th drafted token is on the accepted path (the
 product of the acceptance estimates of depths 1..i, averaged over the batch), target(n)
 and draft(n) the profiled latencies of a forward over n tokens. d = 0 turns the draft
-model off; every EXPLORE_EVERY-th step then drafts one token anyway, so that its
-acceptance keeps being measured and drafting comes back when it pays again. The
+model off; it then drafts one token anyway once the steps it stayed off have cost
+EXPLORE_SHARE^-1 times that one-token draft (every ~50th step for a draft model as slow
+as the target, every few steps for a cheap one), so that its acceptance keeps being
+measured and drafting comes back when it pays again, at ~2 % of the time at most. The
 planner then chooses, as for any draft, which drafted tokens are verified.
 
 Positions drafted with the model need KV slots (the draft model writes its KV there):
@@ -29,7 +31,7 @@ from scheduler.kv_blocks import KVBlockManager
 from scheduler.planner import PlannedTree, path_probabilities
 from scheduler.request import Request
 
-EXPLORE_EVERY = 8  # steps between one-token drafts while the planner keeps drafting off
+EXPLORE_SHARE = 0.02  # of the step time, spent on one-token drafts while the planner keeps drafting off
 
 
 def best_draft_depth(
@@ -70,8 +72,14 @@ class ModelDraftBudget:
         by_request = [path_probabilities(PlannedTree(probe.parents, self.estimator.estimate(req, probe))) for req in reqs]
         mean = [sum(column) / len(reqs) for column in zip(*by_request)]
         depth = best_draft_depth(mean, len(reqs), self.target_seconds, self.draft_seconds)
-        self.steps_off = self.steps_off + 1 if depth == 0 else 0
-        return 1 if depth == 0 and self.steps_off % EXPLORE_EVERY == 0 else depth
+        if depth:
+            self.steps_off = 0
+            return depth
+        self.steps_off += 1
+        if self.steps_off * EXPLORE_SHARE * self.target_seconds(len(reqs)) < self.draft_seconds(len(reqs)):
+            return 0
+        self.steps_off = 0
+        return 1
 
     def _reserve(self, req: Request, num_tokens: int) -> int:
         """Grow the request's blocks to cover NUM_TOKENS drafted positions after its computed ones, or as many as

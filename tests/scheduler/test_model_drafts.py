@@ -2,7 +2,7 @@
 from engine.wire import SamplingParams
 from scheduler.acceptance import TreeAcceptance
 from scheduler.kv_blocks import KVBlockManager
-from scheduler.model_drafts import EXPLORE_EVERY, ModelDraftBudget, best_draft_depth
+from scheduler.model_drafts import EXPLORE_SHARE, ModelDraftBudget, best_draft_depth
 from scheduler.request import Request
 
 
@@ -64,7 +64,9 @@ def test_drafts_are_cut_to_the_free_blocks_and_the_tokens_a_request_may_still_ge
 def test_the_planner_turns_a_useless_draft_model_off_but_keeps_measuring_it():
     model_drafts, blocks = budget(planned=True, rate=0.05)
     req = decoding_request("a", 6, blocks)
-    depths = [model_drafts.reserve([req], 5, "draft")["a"] for _ in range(2 * EXPLORE_EVERY)]
+    # the draft model costs a target forward: one token drafted after every 1 / EXPLORE_SHARE steps off
+    depths = [model_drafts.reserve([req], 5, "draft")["a"] for _ in range(round(2 / EXPLORE_SHARE) + 2)]
     assert depths.count(1) == 2 and set(depths) == {0, 1}
+    assert depths.index(1) == round(1 / EXPLORE_SHARE) - 1
     model_drafts.estimator.prior, model_drafts.draft_seconds = 0.99, linear(0.0001, 0.001)  # right and cheap now
     assert model_drafts.reserve([req], 5, "draft")["a"] > 0
