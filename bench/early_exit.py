@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from engine.calibration_prompts import CALIBRATION_PROMPTS
+from engine.calibration_prompts import CALIBRATION_PROMPTS, CHAT_PROMPTS
 from engine.config import ModelConfig
 from engine.model_loader import load_model
 from engine.tokenizer import load_tokenizer
@@ -45,16 +45,6 @@ NEW_TOKENS = 96
 DRAFT_LEN = 5
 CONTEXT_LEN = 200
 REPEATS = 30
-CHAT_PROMPTS = (
-    "Why is the sky blue during the day but red at sunset?",
-    "Explain in simple words what a computer's memory is used for.",
-    "Write a short story about a cat who learns to ride a bicycle.",
-    "What are three good habits for staying healthy while working from home?",
-    "How does a bicycle stay upright when it is moving?",
-    "Give me some tips for learning a new language as an adult.",
-    "What is the difference between weather and climate?",
-    "Describe how bread rises when it is baked.",
-)
 
 
 def generate_answers(model, tok, prompts: list[str], eos_ids: list[int]) -> list[tuple[list[int], list[int]]]:

@@ -5,6 +5,8 @@ and temperature, the order reversed at every other batch size):
 - `none`: plain decoding;
 - `sd-k5`, `sd-k7`: the draft model drafts k tokens every step, all verified (planner off);
 - `sd-planner`: k = 5 at most, the goodput planner decides how many to draft and verify;
+- `sv`: the same with the companion's estimates (its table from `specserve calibrate sv`, which
+  must have run first; its report, if written to OUT/calibration.json, goes into results.json);
 - `copyspec`, `copyspec+draft`: CopySpec, and CopySpec falling back to the draft model (planner on).
 MT-Bench turn 1 for all but the copy modes, which answer MT-Redundant turn 2 (turn 1's
 greedy answer from `none` in the history) and are compared with `none` on the same turn.
@@ -30,26 +32,41 @@ from bench.mt import turn_prompts
 from engine.engine import Engine
 from engine.wire import EngineRequest, SamplingParams
 
-MODES = {  # mode -> (drafter, goodput planner, drafted tokens, questions)
-    "none": ("none", True, 5, "mt-bench"),
-    "sd-k5": ("draft", False, 5, "mt-bench"),
-    "sd-k7": ("draft", False, 7, "mt-bench"),
-    "sd-planner": ("draft", True, 5, "mt-bench"),
-    "copyspec": ("copyspec", True, 5, "mt-redundant"),
-    "copyspec+draft": ("copyspec+draft", True, 5, "mt-redundant"),
+MODES = {  # mode -> (drafter, goodput planner, drafted tokens, companion, questions)
+    "none": ("none", True, 5, False, "mt-bench"),
+    "sd-k5": ("draft", False, 5, False, "mt-bench"),
+    "sd-k7": ("draft", False, 7, False, "mt-bench"),
+    "sd-planner": ("draft", True, 5, False, "mt-bench"),
+    "sv": ("draft", True, 5, True, "mt-bench"),
+    "copyspec": ("copyspec", True, 5, False, "mt-redundant"),
+    "copyspec+draft": ("copyspec+draft", True, 5, False, "mt-redundant"),
 }
+DEFAULT_DRAFT, DEFAULT_COMPANION = "early-exit:29", "early-exit:24"  # see the results' README section
 TEMPERATURES = (0.0, 0.7)
 
 
 def mode_engine(args, engine_config_from_args, mode: str) -> Engine:
-    drafter, planner, num_tokens, _ = MODES[mode]
+    drafter, planner, num_tokens, companion, _ = MODES[mode]
     config = engine_config_from_args(args, drafter)
-    return Engine(replace(
+    engine = Engine(replace(
         config,
-        model=replace(config.model, draft_model=args.draft_model or "early-exit:29" if drafter != "none" else None),
+        model=replace(config.model, draft_model=draft_model(args) if drafter != "none" else None,
+                      companion_model=companion_model(args) if companion else None),
         scheduler=replace(config.scheduler, use_goodput_planner=planner),
         spec=replace(config.spec, num_draft_tokens=num_tokens),
     ))
+    if companion and not engine.speculation.drafter.tables:
+        raise SystemExit("the sv mode needs the companion's table: run `specserve calibrate sv` with the same "
+                         f"--draft-model {draft_model(args)} --companion-model {companion_model(args)} first")
+    return engine
+
+
+def draft_model(args) -> str:
+    return args.draft_model or DEFAULT_DRAFT
+
+
+def companion_model(args) -> str:
+    return args.companion_model or DEFAULT_COMPANION
 
 
 def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
@@ -98,11 +115,13 @@ def run_models_benchmark(args: argparse.Namespace, engine_config_from_args, toke
         for temperature in TEMPERATURES:
             params = SamplingParams(temperature=temperature, max_tokens=args.max_new_tokens, seed=None)
             order = list(MODES) if level % 2 == 0 else list(MODES)[::-1]
-            results = {mode: run_batch(engines[mode], prompts[MODES[mode][3]][:batch], params) for mode in order}
+            results = {mode: run_batch(engines[mode], prompts[MODES[mode][4]][:batch], params) for mode in order}
             rows += level_rows(batch, temperature, results, prompts, engines["none"].runner.model)
             print(json.dumps(rows[-len(MODES):], default=str), flush=True)
-    results = {"command": "specserve " + shlex.join(sys.argv[1:]), "summary": rows,
-               "draft_model": args.draft_model or "early-exit:29", "max_new_tokens": args.max_new_tokens}
+    calibration = out_dir / "calibration.json"
+    results = {"command": "specserve " + shlex.join(sys.argv[1:]), "summary": rows, "draft_model": draft_model(args),
+               "companion_model": companion_model(args), "max_new_tokens": args.max_new_tokens,
+               "calibration": json.loads(calibration.read_text()) if calibration.is_file() else None}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     (out_dir / "results.md").write_text(markdown(results))
@@ -113,12 +132,12 @@ def level_rows(batch: int, temperature: float, results: dict, prompts: dict, mod
     rows = []
     for mode in MODES:
         result = results[mode]
-        baseline = results["none"] if MODES[mode][3] == "mt-bench" else None
+        baseline = results["none"] if MODES[mode][4] == "mt-bench" else None
         identical = None
         if temperature == 0.0 and baseline is not None:
             identical = all(divergence_verdict(model, p, a, b) != "mismatch"
                             for p, a, b in zip(prompts["mt-bench"], baseline["outputs"], result["outputs"]))
-        row = {"batch_size": batch, "temperature": temperature, "mode": mode, "questions": MODES[mode][3],
+        row = {"batch_size": batch, "temperature": temperature, "mode": mode, "questions": MODES[mode][4],
                "all_identical_to_baseline": identical}
         row.update({k: v for k, v in result.items() if k != "outputs"})
         if baseline is not None:
@@ -132,7 +151,8 @@ def level_rows(batch: int, temperature: float, results: dict, prompts: dict, mod
 
 
 def markdown(results: dict) -> str:
-    lines = [f"# Draft models: `{results['draft_model']}`", "", f"Command: `{results['command']}`", "",
+    lines = [f"# Draft models: draft `{results['draft_model']}`, companion `{results['companion_model']}`", "",
+             f"Command: `{results['command']}`", "",
              "| batch | temp | mode | questions | tokens/s | × none | mean acc. len | rejected share | identical |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results["summary"]:
@@ -142,4 +162,19 @@ def markdown(results: dict) -> str:
         identical = {None: "–", True: "yes", False: "NO"}[same]
         lines.append(f"| {r['batch_size']} | {r['temperature']} | {r['mode']} | {r['questions']} | {r['tokens_per_s']:.1f} | "
                      f"{speedup} | {r['mean_acceptance_length']:.2f} | {rejected} | {identical} |")
+    lines += calibration_markdown(results["calibration"])
     return "\n".join(lines) + "\n"
+
+
+def calibration_markdown(calibration: dict | None) -> list[str]:
+    if not calibration:
+        return []
+    lines = ["", f"Companion calibration (`{calibration['command']}`; fitted on half the prompts, scored on the other):", "",
+             "| decoding | tokens | Brier companion | Brier statistical | H(acc) | H(acc\\|S) | H(acc\\|A) | H(acc\\|S,A) | gain |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for mode in ("greedy", "sampled"):
+        r, g = calibration[mode], calibration[mode]["information_gain"]
+        lines.append(f"| {mode} | {r['num_tokens']} | {r['brier_companion']:.4f} | {r['brier_statistical']:.4f} | "
+                     f"{g['entropy']:.3f} | {g['given_S']:.3f} | {g['given_A']:.3f} | {g['given_S_and_A']:.3f} | "
+                     f"{g['information_gain']:.3f} ({g['information_gain_share']:.0%}) |")
+    return lines

@@ -76,6 +76,8 @@ class DrafterContext:
     next_token_logits: Callable[[list[int]], torch.Tensor] = field(repr=False)  # [B] tokens -> [B, vocab]: each after BOS
     pld_plus_calibration: object | None = None  # engine/calibration.py's PldPlusCalibration for this model, if made
     draft_forward: object | None = None  # engine/draft_model.py's DraftForward when the engine owns a draft model
+    companion_forward: object | None = None  # the same over the companion model, when the engine owns one
+    sv_tables: dict = field(default_factory=dict)  # greedy? -> the companion's acceptance table (engine/companion.py)
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -6,8 +6,13 @@ this step (`DraftForward.budget`: it reserved their KV blocks, and the goodput p
 may allow none). Each drafted token is the draft model's argmax for a greedy request;
 for a sampled request it is drawn from the draft distribution q — the draft model's
 logits after the request's temperature, top-k and top-p, the processing the target's
-p gets — and q is kept here, for the verifier's min(1, p/q) test and residual
-(engine/verifier.py). q never leaves the engine process and never reaches the scheduler.
+p gets (temperature 1 for a greedy request) — and q is kept here, for the verifier's
+min(1, p/q) test and residual (engine/verifier.py) and the companion's scores. q never
+leaves the engine process and never reaches the scheduler.
+
+With a companion model (SV §4, engine/companion.py), one packed forward of it over
+every drafted token gives each token's (S, A), and its profiled table the acceptance
+estimate the goodput planner weighs the token by (`Draft.acceptance`).
 
 The draft model's KV: an early exit of the target shares the target's pool, so every
 position the target computed is computed for it. A separate draft model keeps its own
@@ -19,7 +24,7 @@ tokens the target accepts keep the KV the draft model computed for them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -29,22 +34,57 @@ from drafters.base import Draft, DraftableRequest, DrafterBase, common_prefix_le
 DRAFT_SEED_OFFSET = 0x5EED  # a seeded request draws its drafts from a generator of its own, seeded apart from the target's
 
 
+def overlap_and_acceptance(q: torch.Tensor, c: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SV's observations of drafted TOKENS [n] with draft distributions q and companion distributions c [n, vocab]:
+    S = sum_v min(q(v), c(v)), the overlap, and A = min(1, c(x) / q(x)), x's acceptance were c the target."""
+    overlap = torch.minimum(q, c).sum(dim=-1)
+    rows = torch.arange(len(tokens))
+    acceptance = (c[rows, tokens] / q[rows, tokens].clamp_min(1e-12)).clamp(max=1.0)
+    return overlap, acceptance
+
+
+class ModelKV:
+    """Per request, the positions whose KV a model (draft or companion) holds for the request's real tokens: all the
+    target computed, for an early exit; else what the model computed and the target then accepted."""
+
+    def __init__(self, forward) -> None:
+        self.forward = forward  # engine/draft_model.py's DraftForward
+        self.num_valid: dict[str, int] = {}
+
+    def catch_up(self, req: DraftableRequest, then: Sequence[int] = ()) -> tuple[str, list[int], int]:
+        """A chain of the request's tokens the model has not computed, ending at its last token, then THEN."""
+        start = req.num_computed_tokens if self.forward.shares_target_kv else self.num_valid.get(req.request_id, 0)
+        self.num_valid[req.request_id] = len(req.all_token_ids)
+        return req.request_id, [*req.all_token_ids[start:], *then], start
+
+    def accept(self, req: DraftableRequest, num_tokens: int) -> None:
+        """NUM_TOKENS more of the tokens fed after the request's last one were accepted: their KV stays right."""
+        self.num_valid[req.request_id] = self.num_valid.get(req.request_id, 0) + num_tokens
+
+    def forget(self, req: DraftableRequest) -> None:
+        self.num_valid.pop(req.request_id, None)
+
+
 @dataclass
 class DraftState:
     """A request's draft-model bookkeeping."""
 
-    num_valid: int = 0  # positions whose draft-model KV holds the request's tokens (separate draft models only)
-    fed: list[int] | None = None  # drafted tokens fed to the draft model at the last proposal (their KV is written)
+    fed: list[int] = field(default_factory=list)  # drafted tokens fed to the models at the last proposal
+    drafted: list[int] = field(default_factory=list)  # the last proposal's tokens
+    scores: list[tuple[float, float]] = field(default_factory=list)  # [drafted] the companion's (S, A) of each
     generator: torch.Generator | None = None  # for sampled drafts of a seeded request
-    probs: torch.Tensor | None = None  # [num drafted, vocab] q of the last proposal's tokens; None when greedy
+    probs: torch.Tensor | None = None  # [num drafted, vocab] q of the last proposal's tokens (processed as p is)
 
 
 class ModelDrafter(DrafterBase):
     name = "draft"
 
-    def __init__(self, forward, max_tokens: int) -> None:
+    def __init__(self, forward, max_tokens: int, companion=None, tables: dict[bool, object] | None = None) -> None:
         self.forward = forward  # engine/draft_model.py's DraftForward
         self.max_tokens = max_tokens
+        self.draft_kv = ModelKV(forward)
+        self.companion = ModelKV(companion) if companion is not None else None  # SV (engine/companion.py)
+        self.tables = tables or {}  # greedy? -> engine/companion.py's SvTable, for the companion's estimates
         self._states: dict[str, DraftState] = {}
 
     def begin(self, req: DraftableRequest, state: object | None = None) -> None:
@@ -53,17 +93,31 @@ class ModelDrafter(DrafterBase):
         self._states[req.request_id] = DraftState(generator=generator)
 
     def extend(self, req: DraftableRequest, new_token_ids: Sequence[int]) -> None:
-        """The accepted drafted tokens that were fed to the draft model keep their KV."""
+        """The accepted drafted tokens that were fed keep their KV; the companion's table learns each outcome."""
         state = self._states[req.request_id]
-        if state.fed:
-            state.num_valid += common_prefix_len(new_token_ids, state.fed)
-        state.fed = None
+        num_fed_accepted = common_prefix_len(new_token_ids, state.fed)
+        for model_kv in filter(None, (self.draft_kv, self.companion)):
+            model_kv.accept(req, num_fed_accepted)
+        self._learn(req, state, new_token_ids)
+        state.fed, state.drafted, state.scores = [], [], []
+
+    def _learn(self, req: DraftableRequest, state: DraftState, new_token_ids: Sequence[int]) -> None:
+        """Each drafted token whose parent was accepted, scored against the target's token at its depth."""
+        table = self.tables.get(req.sampling.greedy)
+        if table is None:
+            return
+        for (s, a), drafted, target in zip(state.scores, state.drafted, new_token_ids):
+            table.observe(s, a, float(drafted == target))
+            if drafted != target:
+                return
 
     def preempt(self, req: DraftableRequest) -> None:
-        self._states[req.request_id].num_valid = 0
+        for model_kv in filter(None, (self.draft_kv, self.companion)):
+            model_kv.forget(req)
 
     def finish(self, req: DraftableRequest) -> None:
         self._states.pop(req.request_id, None)
+        self.preempt(req)
 
     def distributions(self, req: DraftableRequest) -> torch.Tensor | None:
         state = self._states.get(req.request_id)
@@ -74,41 +128,53 @@ class ModelDrafter(DrafterBase):
         drafting = [req for req in reqs if budgets[req.request_id] > 0]
         drafted: dict[str, list[int]] = {req.request_id: [] for req in drafting}
         probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req in drafting}
-        chains = [self._catch_up(req) for req in drafting]
+        chains = [self.draft_kv.catch_up(req) for req in drafting]
         while chains:
-            logits = self.forward(chains)
+            logits = torch.cat(self.forward(chains))
             chains = []
             for req, row in zip(drafting, logits):
                 token, q = self._draw(req, row)
                 drafted[req.request_id].append(token)
-                if q is not None:
-                    probs[req.request_id].append(q)
+                probs[req.request_id].append(q)
                 position = len(req.all_token_ids) + len(drafted[req.request_id]) - 1
                 if len(drafted[req.request_id]) < budgets[req.request_id]:
                     chains.append((req.request_id, [token], position))
             drafting = [req for req in drafting if len(drafted[req.request_id]) < budgets[req.request_id]]
-        return [self._draft(req, drafted.get(req.request_id, []), probs.get(req.request_id)) for req in reqs]
+        for req in reqs:
+            self._keep(req, drafted.get(req.request_id, []), probs.get(req.request_id))
+        acceptance = self._companion_estimates([req for req in reqs if drafted.get(req.request_id)])
+        return [Draft(drafted.get(r.request_id, []), self.name, acceptance=acceptance.get(r.request_id)) for r in reqs]
 
-    def _catch_up(self, req: DraftableRequest) -> tuple[str, list[int], int]:
-        """The first chain of a request's round: its tokens whose draft KV is not computed yet, ending at its last."""
-        state = self._states[req.request_id]
-        start = req.num_computed_tokens if self.forward.shares_target_kv else state.num_valid
-        state.num_valid = len(req.all_token_ids)
-        return req.request_id, req.all_token_ids[start:], start
-
-    def _draw(self, req: DraftableRequest, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """The drafted token, and q when the request samples."""
+    def _draw(self, req: DraftableRequest, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """The drafted token (q's argmax for a greedy request, a draw from q otherwise), and q."""
         params = req.sampling
-        if params.greedy:
-            return int(logits.argmax()), None
         q = self.forward.probs(logits, params)
+        if params.greedy:
+            return int(logits.argmax()), q
         return int(torch.multinomial(q, 1, generator=self._states[req.request_id].generator)), q
 
-    def _draft(self, req: DraftableRequest, token_ids: list[int], probs: list[torch.Tensor] | None) -> Draft:
+    def _keep(self, req: DraftableRequest, token_ids: list[int], probs: list[torch.Tensor] | None) -> None:
         state = self._states[req.request_id]
-        state.fed = token_ids[:-1]  # the last drafted token is never fed
+        state.drafted, state.fed = token_ids, token_ids[:-1]  # the last drafted token is never fed
         state.probs = torch.stack(probs) if probs else None
-        return Draft(token_ids, self.name)
+
+    def _companion_estimates(self, reqs: list[DraftableRequest]) -> dict[str, list[float]]:
+        """Per request, the companion table's acceptance estimate of each drafted token (SV §4), after one packed
+        forward of the companion over every drafted token; empty without a companion."""
+        if self.companion is None or not reqs:
+            return {}
+        states = [self._states[req.request_id] for req in reqs]
+        chains = [self.companion.catch_up(req, state.fed) for req, state in zip(reqs, states)]
+        rows = self.companion.forward(chains, [len(state.drafted) for state in states])
+        estimates = {}
+        for req, state, logits in zip(reqs, states, rows):
+            c = torch.stack([self.companion.forward.probs(row, req.sampling) for row in logits])
+            s, a = overlap_and_acceptance(state.probs, c, torch.tensor(state.drafted))
+            state.scores = list(zip(s.tolist(), a.tolist()))
+            table = self.tables.get(req.sampling.greedy)
+            if table is not None:
+                estimates[req.request_id] = [table.estimate(sv, av) for sv, av in state.scores]
+        return estimates
 
     def state_bytes(self) -> int:
         return sum(s.probs.numel() * s.probs.element_size() for s in self._states.values() if s.probs is not None)

@@ -21,7 +21,10 @@ def _copyspec(config: SpecConfig, context: DrafterContext) -> Drafter:
 def _draft(config: SpecConfig, context: DrafterContext) -> Drafter:
     if context.draft_forward is None:
         raise ValueError(f"--drafter {config.drafter} needs a draft model: pass --draft-model (early-exit:N or a model)")
-    return ModelDrafter(context.draft_forward, config.num_draft_tokens)
+    if context.companion_forward is not None and not context.sv_tables:
+        logger.warning("no companion table for this draft and companion yet (`specserve calibrate sv`): the planner "
+                       "weighs drafted tokens by statistics only")
+    return ModelDrafter(context.draft_forward, config.num_draft_tokens, context.companion_forward, context.sv_tables)
 
 
 def _copyspec_then_draft(config: SpecConfig, context: DrafterContext) -> Drafter:

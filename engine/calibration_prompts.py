@@ -27,3 +27,15 @@ CALIBRATION_PROMPTS = (
     "for item in basket:\n    if item.fresh:\n        count += 1\nprint('fresh items:', count)\n"
     "if count > 10:\n    print('too many to carry')\n",
 )
+
+# Short chat prompts written for calibrating draft and companion models (`specserve calibrate sv`), with the ones above.
+CHAT_PROMPTS = (
+    "Why is the sky blue during the day but red at sunset?",
+    "Explain in simple words what a computer's memory is used for.",
+    "Write a short story about a cat who learns to ride a bicycle.",
+    "What are three good habits for staying healthy while working from home?",
+    "How does a bicycle stay upright when it is moving?",
+    "Give me some tips for learning a new language as an adult.",
+    "What is the difference between weather and climate?",
+    "Describe how bread rises when it is baked.",
+)

@@ -24,6 +24,7 @@ class ModelConfig:
     cache_dir: str | None = None  # tables derived from the model (drafters); None = $XDG_CACHE_HOME/specserve
     weights: str = "auto"  # how Linear layers keep their weights: auto | float32 | bfloat16 | int8 | int4 (engine/weights.py)
     draft_model: str | None = None  # early-exit:N, or what `model` takes; None = no draft model (engine/draft_model.py)
+    companion_model: str | None = None  # SV's companion: the same forms (engine/companion.py); None = statistics only
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

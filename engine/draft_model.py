@@ -47,27 +47,27 @@ class DraftModel:
         return PagedKVPool.bytes_per_slot(*kv_shape(self.model.config), next(self.model.parameters()).dtype)
 
 
-def load_draft_model(spec: str, target: LoadedModel, config: ModelConfig) -> DraftModel:
-    """`early-exit:N` or a model source; refuses a model whose vocabulary is not the target's."""
+def load_draft_model(spec: str, target: LoadedModel, config: ModelConfig, role: str = "draft") -> DraftModel:
+    """`early-exit:N` or a model source, for ROLE (draft or companion); refuses a vocabulary not the target's."""
     if spec.startswith(EARLY_EXIT):
-        return DraftModel(spec, early_exit_model(target.model, _exit_layers(spec, target.model)), shares_target_kv=True)
+        return DraftModel(spec, early_exit_model(target.model, _exit_layers(spec, target.model, role)), shares_target_kv=True)
     loaded = load_model(replace(config, model=spec, max_model_len=None))
     draft_vocab, target_vocab = loaded.model.config.vocab_size, target.model.config.vocab_size
     if draft_vocab != target_vocab:
         raise ValueError(
-            f"the draft model {spec!r} has a vocabulary of {draft_vocab} tokens and the target one of {target_vocab}: "
-            "a draft model must share the target's tokenizer"
+            f"the {role} model {spec!r} has a vocabulary of {draft_vocab} tokens and the target one of {target_vocab}: "
+            f"a {role} model must share the target's tokenizer"
         )
     if loaded.device != target.device:
-        raise ValueError(f"the draft model loaded on {loaded.device}, the target on {target.device}")
+        raise ValueError(f"the {role} model loaded on {loaded.device}, the target on {target.device}")
     return DraftModel(loaded.source.name, loaded.model, shares_target_kv=False)
 
 
-def _exit_layers(spec: str, target: torch.nn.Module) -> int:
+def _exit_layers(spec: str, target: torch.nn.Module, role: str) -> int:
     num_layers = target.config.num_hidden_layers
     value = spec[len(EARLY_EXIT):]
     if not value.isdigit() or not 1 <= int(value) < num_layers:
-        raise ValueError(f"--draft-model {spec!r}: an early exit takes a layer count in [1, {num_layers - 1}]")
+        raise ValueError(f"--{role}-model {spec!r}: an early exit takes a layer count in [1, {num_layers - 1}]")
     return int(value)
 
 
@@ -106,21 +106,23 @@ class DraftForward:
         self.runner = runner
         self.blocks = blocks
         self.budgets: dict[str, int] = {}  # request id -> tokens it may draft this step
+        self.latency_profile: dict[int, float] = {}  # seconds of a forward by tokens, profiled at start-up
 
     def budget(self, request_id: str) -> int:
         return self.budgets.get(request_id, 0)
 
-    def __call__(self, chains: list[tuple[str, list[int], int]]) -> torch.Tensor:
-        """(request id, token ids, position of the first) per request -> [len(chains), vocab] float32 logits at each
-        chain's last token. The chain's KV is written at its positions' slots; it attends to every position before."""
+    def __call__(self, chains: list[tuple[str, list[int], int]], num_logits: list[int] | None = None) -> list[torch.Tensor]:
+        """(request id, token ids, position of the first) per request -> per chain [num_logits, vocab] float32 logits
+        at its last NUM_LOGITS tokens (one each by default). A chain's KV is written at its positions' slots; it
+        attends to every position before it."""
         items = [
-            chain_item(token_ids, start, self.blocks.block_tables[request_id], self.blocks.block_size)
-            for request_id, token_ids, start in chains
+            chain_item(token_ids, start, self.blocks.block_tables[request_id], self.blocks.block_size, rows)
+            for (request_id, token_ids, start), rows in zip(chains, num_logits or [1] * len(chains))
         ]
-        return torch.cat(self.runner.execute(ForwardBatch(items)).logits)
+        return self.runner.execute(ForwardBatch(items)).logits
 
     @staticmethod
     def probs(logits: torch.Tensor, params) -> torch.Tensor:
-        """[vocab] logits -> the draft distribution q: the processing plain sampling applies to the target's logits
-        (temperature, top-k, top-p)."""
-        return target_probs(logits[None], params)[0]
+        """[vocab] logits -> the model's distribution as a request samples: the processing plain sampling applies to
+        the target's logits (temperature, top-k, top-p); a plain softmax for a greedy request."""
+        return torch.softmax(logits.float(), dim=-1) if params.greedy else target_probs(logits[None], params)[0]

@@ -9,6 +9,7 @@ from drafters.base import Draft
 from drafters.registry import build_drafter
 from engine.batching import forward_batch
 from engine.config import CacheConfig, EngineConfig
+from engine.companion import load_sv_tables, sv_fingerprints
 from engine.draft_model import DraftForward, DraftModel, draft_pool, load_draft_model
 from engine.drafter_context import drafter_context
 from engine.forward import ForwardBatch, ForwardOutput
@@ -45,20 +46,28 @@ class Engine:
         self.vocab_size = loaded.model.config.vocab_size
         backend = resolve_attention_backend(config.cache.attention_backend, loaded.device)
         draft = load_draft_model(config.model.draft_model, loaded, config.model) if config.model.draft_model else None
-        pool, blocks = _allocate_kv_pool(loaded, config.cache, backend, draft.kv_bytes_per_position if draft else 0)
+        companion = _load_companion(config.model, loaded)
+        extra_bytes = sum(model.kv_bytes_per_position for model in (draft, companion) if model)
+        pool, blocks = _allocate_kv_pool(loaded, config.cache, backend, extra_bytes)
         self.max_model_len = min(loaded.max_model_len, blocks.num_blocks * blocks.block_size)
         self.runner = PackedModelRunner(loaded.model, loaded.device, pool, blocks.block_size, backend)
         self.latency_profile = profile_forward_latency(self.runner, blocks, self.vocab_size, self.max_model_len)  # s by num tokens
         self.path_seconds_per_position = profile_path_seconds(self.runner, blocks, self.vocab_size, self.max_model_len)
         self.draft_forward = self._draft_forward(draft, pool, blocks, backend, loaded) if draft else None
+        self.companion_forward = self._draft_forward(companion, pool, blocks, backend, loaded) if companion else None
         sessions = SessionStore(config.sessions, blocks) if config.sessions.mode != "off" else None
         self.scheduler = Scheduler(
             config.scheduler, self.max_model_len, self.eos_token_ids, blocks,
             LatencyModel(self.latency_profile, self.path_seconds_per_position), sessions=sessions,
-            draft_latency=LatencyModel(self.draft_latency_profile) if draft else None,
+            draft_latency=LatencyModel(self.draft_forward.latency_profile) if draft else None,
+            companion_latency=LatencyModel(self.companion_forward.latency_profile) if companion else None,
         )
         context = drafter_context(loaded, config.model)
-        context.draft_forward = self.draft_forward
+        context.draft_forward, context.companion_forward = self.draft_forward, self.companion_forward
+        self.draft_model, self.companion_model = draft, companion
+        self.cache_dir, self.model_fingerprint = context.cache_dir, context.model_fingerprint
+        if draft and companion:
+            context.sv_tables = load_sv_tables(context.cache_dir, sv_fingerprints(context.model_fingerprint, draft, companion))
         self.speculation = Speculation(build_drafter(config.spec, context))
         self.num_draft_tokens = config.spec.num_draft_tokens
         self.max_session_host_bytes = int(config.sessions.host_memory_mib * 2**20)
@@ -68,10 +77,12 @@ class Engine:
     def _draft_forward(
         self, draft: DraftModel, pool: PagedKVPool, blocks: KVBlockManager, backend: str, loaded: LoadedModel,
     ) -> DraftForward:
-        """The draft model's runner over its pool (the target's, for an early exit), profiled like the target's."""
+        """A draft (or companion) model's runner over its pool (the target's, for an early exit), its latency
+        profiled like the target's."""
         runner = PackedModelRunner(draft.model, loaded.device, draft_pool(draft, pool, loaded.device), blocks.block_size, backend)
-        self.draft_latency_profile = profile_forward_latency(runner, blocks, self.vocab_size, self.max_model_len)
-        return DraftForward(draft, runner, blocks)
+        forward = DraftForward(draft, runner, blocks)
+        forward.latency_profile = profile_forward_latency(runner, blocks, self.vocab_size, self.max_model_len)
+        return forward
 
     def ready_message(self) -> EngineReady:
         return EngineReady(
@@ -273,6 +284,14 @@ def _wire_output(update: RequestUpdate, logprobs: list[TokenLogprob] | None) -> 
         num_prompt_tokens=update.num_prompt_tokens, spec=update.spec, num_cached_tokens=update.num_cached_tokens,
         logprobs=logprobs[:len(update.new_token_ids)] if logprobs is not None else None,
     )
+
+
+def _load_companion(config, loaded: LoadedModel) -> DraftModel | None:
+    if not config.companion_model:
+        return None
+    if not config.draft_model:
+        raise ValueError("--companion-model scores a draft model's tokens: pass --draft-model too")
+    return load_draft_model(config.companion_model, loaded, config, role="companion")
 
 
 def _allocate_kv_pool(

@@ -5,11 +5,12 @@ verifies anything, so whether to draft is decided before drafting. Without the g
 planner every request drafts k tokens (fixed-k speculative decoding). With it, the batch
 drafts the depth d in 0..k whose expected goodput is best:
 
-    goodput(d) = B (1 + sum_{i<=d} P_i) / (target(B (1 + d)) + d draft(B)),
+    goodput(d) = B (1 + sum_{i<=d} P_i) / (target(B (1 + d)) + d draft(B) + companion(B d)),
 
 where P_i is the probability that the i-th drafted token is on the accepted path (the
-product of the acceptance estimates of depths 1..i, averaged over the batch), target(n)
-and draft(n) the profiled latencies of a forward over n tokens. d = 0 turns the draft
+product of the acceptance estimates of depths 1..i, averaged over the batch), target(n),
+draft(n) and companion(n) the profiled latencies of a forward over n tokens (the
+companion, when there is one, scores every drafted token in one forward). d = 0 turns the draft
 model off; it then drafts one token anyway once the steps it stayed off have cost
 EXPLORE_SHARE^-1 times that one-token draft (every ~50th step for a draft model as slow
 as the target, every few steps for a cheap one), so that its acceptance keeps being
@@ -36,13 +37,15 @@ EXPLORE_SHARE = 0.02  # of the step time, spent on one-token drafts while the pl
 
 def best_draft_depth(
     path_probs: list[float], batch: int, target_seconds: Callable[[int], float], draft_seconds: Callable[[int], float],
+    companion_seconds: Callable[[int], float] = lambda num_tokens: 0.0,
 ) -> int:
     """The depth d in 0..len(path_probs) with the best expected goodput for a batch of BATCH decoding requests."""
     best_depth, best = 0, batch / target_seconds(batch)
     expected = float(batch)
     for depth, probability in enumerate(path_probs, start=1):
         expected += batch * probability
-        goodput = expected / (target_seconds(batch * (1 + depth)) + depth * draft_seconds(batch))
+        seconds = target_seconds(batch * (1 + depth)) + depth * draft_seconds(batch) + companion_seconds(batch * depth)
+        goodput = expected / seconds
         if goodput > best * (1 + 1e-9):
             best_depth, best = depth, goodput
     return best_depth
@@ -52,12 +55,14 @@ class ModelDraftBudget:
     def __init__(
         self, estimator: AcceptanceEstimator, blocks: KVBlockManager, max_model_len: int,
         target_seconds: Callable[[int], float] | None, draft_seconds: Callable[[int], float] | None,
+        companion_seconds: Callable[[int], float] | None = None,
     ) -> None:
         self.estimator = estimator
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.target_seconds = target_seconds  # None: no planner, every request drafts the most it may
         self.draft_seconds = draft_seconds
+        self.companion_seconds = companion_seconds or (lambda num_tokens: 0.0)
         self.steps_off = 0  # consecutive steps the planner kept drafting off
 
     def reserve(self, reqs: list[Request], max_tokens: int, source: str) -> dict[str, int]:
@@ -71,7 +76,7 @@ class ModelDraftBudget:
         probe = Draft([0] * max_tokens, source)
         by_request = [path_probabilities(PlannedTree(probe.parents, self.estimator.estimate(req, probe))) for req in reqs]
         mean = [sum(column) / len(reqs) for column in zip(*by_request)]
-        depth = best_draft_depth(mean, len(reqs), self.target_seconds, self.draft_seconds)
+        depth = best_draft_depth(mean, len(reqs), self.target_seconds, self.draft_seconds, self.companion_seconds)
         if depth:
             self.steps_off = 0
             return depth

@@ -38,6 +38,7 @@ class Scheduler:
         estimator: AcceptanceEstimator | None = None,
         sessions: SessionStore | None = None,
         draft_latency: LatencyModel | None = None,
+        companion_latency: LatencyModel | None = None,
     ) -> None:
         self.config = config
         self.blocks = blocks
@@ -50,7 +51,7 @@ class Scheduler:
         self.step_overhead_seconds = 0.0  # running mean of measured step time minus the profiled forward time
         planned = bool(latency and config.use_goodput_planner)
         self.model_drafts = ModelDraftBudget(
-            self.estimator, blocks, max_model_len, self._step_seconds if planned else None, draft_latency,
+            self.estimator, blocks, max_model_len, self._step_seconds if planned else None, draft_latency, companion_latency,
         )
 
     @property

@@ -50,6 +50,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="a draft model for --drafter draft / copyspec+draft: early-exit:N (the target's first N layers and its LM head, "
              "sharing its weights and KV) or what --model takes (same vocabulary as the target)",
     )
+    parser.add_argument(
+        "--companion-model", default=None,
+        help="Speculative Verification's companion (the same forms as --draft-model): scores each drafted token so that "
+             "the goodput planner verifies the ones worth it; its table comes from `specserve calibrate sv`",
+    )
     parser.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens,
                         help="draft model: tokens drafted per step at most (the goodput planner may draft fewer)")
     parser.add_argument("--cache-dir", default=None, help="where tables derived from the model are kept (default: $XDG_CACHE_HOME/specserve)")
@@ -69,6 +74,7 @@ def engine_config_from_args(args: argparse.Namespace, drafter: str) -> EngineCon
         model=ModelConfig(
             args.model, args.device, args.dtype, args.max_model_len, args.trust_remote_code, args.num_threads,
             cache_dir=args.cache_dir, weights=args.weights, draft_model=args.draft_model,
+            companion_model=args.companion_model,
         ),
         cache=CacheConfig(args.kv_cache_memory, args.block_size, args.attention_backend),
         scheduler=SchedulerConfig(
