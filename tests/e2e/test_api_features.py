@@ -140,27 +140,3 @@ def test_greedy_choices_that_share_the_prompts_kv_equal_a_single_choice(client):
     single = chat(client).choices[0].message.content
     assert [c.message.content for c in chat(client, n=3).choices] == [single] * 3
 
-
-@pytest.fixture(scope="module")
-def draft_client(tmp_path_factory):
-    """A server drafting with an early exit of its model, CopySpec first, every drafted token verified."""
-    from openai import OpenAI
-
-    running = start_server(tmp_path_factory.mktemp("draft-server"), "--drafter", "copyspec+draft", "--draft-model",
-                           "early-exit:24", "--no-goodput-planner", "--max-num-seqs", "4")
-    yield OpenAI(base_url=running.api_url, api_key="unused", max_retries=0, timeout=120)
-    stop_server(running)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("fields", [
-    {"messages": [{"role": "user", "content": "Explain in two sentences why bread rises."}], "logprobs": True, "top_logprobs": 2},
-    {"presence_penalty": 2.0, "frequency_penalty": 1.0},
-], ids=["model-drafts-logprobs", "copy-and-model-drafts-penalties"])
-def test_a_draft_model_changes_no_greedy_token_or_logprob_through_the_api(draft_client, plain_client, fields):
-    drafted, plain = chat(draft_client, **fields).choices[0], chat(plain_client, **fields).choices[0]
-    assert drafted.message.content == plain.message.content
-    if fields.get("logprobs"):
-        assert [t.token for t in drafted.logprobs.content] == [t.token for t in plain.logprobs.content]
-        for ours, theirs in zip(drafted.logprobs.content, plain.logprobs.content):
-            assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
