@@ -9,7 +9,7 @@ from engine.companion import (
     SvTable, brier, calibrate_sv, equal_frequency_edges, information_gain_table, load_sv_tables, sv_fingerprints,
     sv_table_path,
 )
-from engine.config import EngineConfig, ModelConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.wire import SamplingParams
 from scheduler.config import SchedulerConfig, SessionConfig
@@ -72,7 +72,7 @@ def sv_engine(tiny_model_dir, tmp_path_factory):
         return Engine(EngineConfig(
             model=ModelConfig(model=tiny_model_dir, device="cpu", cache_dir=cache_dir, draft_model="early-exit:1",
                               companion_model="early-exit:1"),
-            scheduler=SchedulerConfig(max_num_seqs=8, use_goodput_planner=planner),
+            cache=CacheConfig(0.05), scheduler=SchedulerConfig(max_num_seqs=8, use_goodput_planner=planner),
             spec=SpecConfig(drafter=drafter, num_draft_tokens=4),
             sessions=SessionConfig(mode="off"),
         ))
@@ -95,7 +95,7 @@ def test_calibration_fits_a_table_per_model_triple_that_serving_loads_and_uses(s
     batch = prompts(4, seed=22)
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * len(batch)
     plain = run_to_completion(Engine(EngineConfig(model=ModelConfig(model=tiny_model_dir, device="cpu"),
-                                                  spec=SpecConfig(drafter="none"))), batch, params)
+                                                  cache=CacheConfig(0.05), spec=SpecConfig(drafter="none"))), batch, params)
     seen = []
     original = drafter._companion_estimates
     drafter._companion_estimates = lambda reqs: seen.append(original(reqs)) or seen[-1]
@@ -110,4 +110,4 @@ def test_calibration_fits_a_table_per_model_triple_that_serving_loads_and_uses(s
 def test_a_companion_needs_a_draft_model(tiny_model_dir):
     with pytest.raises(ValueError, match="--draft-model"):
         Engine(EngineConfig(model=ModelConfig(model=tiny_model_dir, device="cpu", companion_model="early-exit:1"),
-                            spec=SpecConfig(drafter="none")))
+                            cache=CacheConfig(0.05), spec=SpecConfig(drafter="none")))

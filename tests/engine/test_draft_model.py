@@ -12,7 +12,11 @@ from tests.engine.helpers import run_to_completion
 from tests.engine.test_engine import prompts
 
 
+SMALL_POOL = 0.05  # GiB: the pool is zeroed at start-up, and an engine lives until the garbage collector finds it
+
+
 def draft_engine(model_dir, draft_model, drafter="draft", planner=False, **cache):
+    cache.setdefault("kv_cache_memory_gib", SMALL_POOL)
     return Engine(EngineConfig(
         model=ModelConfig(model=model_dir, device="cpu", draft_model=draft_model),
         cache=CacheConfig(**cache),
@@ -26,7 +30,7 @@ def draft_engine(model_dir, draft_model, drafter="draft", planner=False, **cache
 def plain(tiny_model_dir):
     return Engine(EngineConfig(
         model=ModelConfig(model=tiny_model_dir, device="cpu"), spec=SpecConfig(drafter="none"),
-        sessions=SessionConfig(mode="off"),
+        cache=CacheConfig(SMALL_POOL), sessions=SessionConfig(mode="off"),
     ))
 
 

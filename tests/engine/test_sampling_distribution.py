@@ -7,7 +7,7 @@ from scipy.stats import chi2_contingency
 
 from drafters.base import Draft, DrafterBase
 from drafters.config import SpecConfig
-from engine.config import EngineConfig, ModelConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.wire import SamplingParams
 from scheduler.config import SchedulerConfig
@@ -59,6 +59,7 @@ def sample_pairs(engine, params):
 def test_speculative_sampling_matches_plain_sampling(tiny_model_dir, params, tree):
     config = EngineConfig(
         model=ModelConfig(model=tiny_model_dir, device="cpu"),
+        cache=CacheConfig(0.05),  # the pool is zeroed at start-up: a small one for this tiny model
         scheduler=SchedulerConfig(
             max_num_seqs=NUM_SAMPLES, max_num_batched_tokens=32 * NUM_SAMPLES, max_waiting=NUM_SAMPLES, use_goodput_planner=False
         ),
@@ -88,6 +89,7 @@ def test_sampling_with_a_draft_model_matches_plain_sampling(tiny_model_dir):
     def engine(drafter, draft_model=None):
         return Engine(EngineConfig(
             model=ModelConfig(model=tiny_model_dir, device="cpu", draft_model=draft_model),
+            cache=CacheConfig(0.05),  # the pool is zeroed at start-up: a small one for this tiny model
             scheduler=SchedulerConfig(
                 max_num_seqs=NUM_SAMPLES, max_num_batched_tokens=32 * NUM_SAMPLES, max_waiting=NUM_SAMPLES,
                 use_goodput_planner=False,
