@@ -6,8 +6,9 @@ this step (`DraftForward.budget`: it reserved their KV blocks, and the goodput p
 may allow none). Each drafted token is the draft model's argmax for a greedy request;
 for a sampled request it is drawn from the draft distribution q — the draft model's
 logits after the request's temperature, top-k and top-p, the processing the target's
-p gets (temperature 1 for a greedy request) — and q is kept here, for the verifier's
-min(1, p/q) test and residual (engine/verifier.py) and the companion's scores. q never
+p gets — and q is kept here, for the verifier's min(1, p/q) test and residual
+(engine/verifier.py) and the companion's scores (a greedy request keeps the plain
+softmax, and only when a companion scores its drafts). q never
 leaves the engine process and never reaches the scheduler.
 
 With a companion model (SV §4, engine/companion.py), one packed forward of it over
@@ -135,7 +136,8 @@ class ModelDrafter(DrafterBase):
             for req, row in zip(drafting, logits):
                 token, q = self._draw(req, row)
                 drafted[req.request_id].append(token)
-                probs[req.request_id].append(q)
+                if q is not None:
+                    probs[req.request_id].append(q)
                 position = len(req.all_token_ids) + len(drafted[req.request_id]) - 1
                 if len(drafted[req.request_id]) < budgets[req.request_id]:
                     chains.append((req.request_id, [token], position))
@@ -145,12 +147,13 @@ class ModelDrafter(DrafterBase):
         acceptance = self._companion_estimates([req for req in reqs if drafted.get(req.request_id)])
         return [Draft(drafted.get(r.request_id, []), self.name, acceptance=acceptance.get(r.request_id)) for r in reqs]
 
-    def _draw(self, req: DraftableRequest, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """The drafted token (q's argmax for a greedy request, a draw from q otherwise), and q."""
+    def _draw(self, req: DraftableRequest, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """The drafted token (the argmax for a greedy request, a draw from q otherwise), and q — for a greedy
+        request only when a companion scores it (the verifier's argmax walk needs none)."""
         params = req.sampling
-        q = self.forward.probs(logits, params)
         if params.greedy:
-            return int(logits.argmax()), q
+            return int(logits.argmax()), self.forward.probs(logits, params) if self.companion else None
+        q = self.forward.probs(logits, params)
         return int(torch.multinomial(q, 1, generator=self._states[req.request_id].generator)), q
 
     def _keep(self, req: DraftableRequest, token_ids: list[int], probs: list[torch.Tensor] | None) -> None:

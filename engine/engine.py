@@ -177,17 +177,12 @@ class Engine:
         batch, model_out = self._execute(sched_out)
         results, logprobs = self._verify(sched_out.scheduled, model_out)
         update = self.scheduler.update(sched_out, results)
-        self._move_kv(update.kv_moves)
+        self.runner.move_kv(update.kv_moves)
         draft_seconds = self._after_update(sched_out, batch, model_out, results, update)
         update.stats.step_seconds = time.perf_counter() - start
         self.scheduler.observe_step_seconds(sched_out, update.stats.step_seconds - draft_seconds)
         outputs = [_wire_output(u, logprobs.get(u.request_id)) for u in update.updates]
         return EngineOutputs(outputs=outputs, stats=update.stats)
-
-    def _move_kv(self, moves: list[tuple[int, int]]) -> None:
-        self.runner.move_kv(moves)
-        if self.draft_forward and not self.draft_forward.shares_target_kv:
-            self.draft_forward.runner.move_kv(moves)
 
     def _execute(self, sched_out: SchedulerOutput) -> tuple[ForwardBatch, ForwardOutput | None]:
         self.speculation.preempt(sched_out.preempted)

@@ -139,7 +139,7 @@ class Verifier:
         """The walk's result, and the emitted tokens' log-probabilities when the request asked for them.
         DRAFT_PROBS: [num drafted, vocab] q of a chain sampled from a draft model; None for point masses."""
         params = req.sampling
-        uniforms = None if params.greedy else self._stream(req.request_id, params).next(
+        uniforms = None if params.greedy else self._stream(self._streams, req.request_id, params.seed).next(
             max(depths(draft_parents), default=0) + 1
         )
         if draft_probs is not None and not params.greedy:
@@ -162,7 +162,8 @@ class Verifier:
         if draft_parents != chain_parents(len(draft_parents)):
             raise ValueError("drafts sampled from a draft model are chains")
         params, logprobs = req.sampling, []
-        accept_uniforms = self._stream(req.request_id, params, self._accept_streams).next(len(uniforms))
+        seed = None if params.seed is None else params.seed + ACCEPT_SEED_OFFSET
+        accept_uniforms = self._stream(self._accept_streams, req.request_id, seed).next(len(uniforms))
         processor = LogitsProcessor(req, self.grammars) if params.processes_logits or params.logprobs is not None else None
         processed_rows = []
 
@@ -189,14 +190,10 @@ class Verifier:
             return verify_greedy(logits, draft_token_ids, draft_parents)
         return verify_sampled(target_probs(logits, params), draft_token_ids, draft_parents, uniforms)
 
-    def _stream(
-        self, request_id: str, params: SamplingParams, streams: dict[str, UniformStream] | None = None,
-    ) -> UniformStream:
-        streams = self._streams if streams is None else streams
+    @staticmethod
+    def _stream(streams: dict[str, UniformStream], request_id: str, seed: int | None) -> UniformStream:
         if request_id not in streams:
-            offset = 0 if streams is self._streams else ACCEPT_SEED_OFFSET
-            generator = None if params.seed is None else torch.Generator().manual_seed(params.seed + offset)
-            streams[request_id] = UniformStream(generator)
+            streams[request_id] = UniformStream(None if seed is None else torch.Generator().manual_seed(seed))
         return streams[request_id]
 
     def finish(self, request_id: str) -> None:

@@ -144,9 +144,7 @@ class Admission:
         return self.blocks.can_grow(req.request_id, num_positions)
 
     def positions_available(self, req: Request) -> int:
-        """Positions the request could cover with the blocks it owns plus every free block."""
-        owned = len(self.blocks.block_tables.get(req.request_id, ()))
-        return (owned + self.blocks.num_free_blocks) * self.blocks.block_size
+        return self.blocks.positions_available(req.request_id)
 
     def _reserve_blocks(self, req: Request, num_positions: int, out: SchedulerOutput) -> bool:
         """Make the request's blocks cover `num_positions`, preempting younger requests if need be.

@@ -57,6 +57,10 @@ class KVBlockManager:
         owned = len(self.block_tables.get(request_id, ()))
         return max(self.blocks_needed(num_positions) - owned, 0)
 
+    def positions_available(self, request_id: str) -> int:
+        """Positions the request could cover with the blocks it owns plus every free block."""
+        return (len(self.block_tables.get(request_id, ())) + len(self._free)) * self.block_size
+
     def can_grow(self, request_id: str, num_positions: int) -> bool:
         return self.num_new_blocks(request_id, num_positions) <= len(self._free)
 

@@ -90,9 +90,7 @@ class ModelDraftBudget:
         """Grow the request's blocks to cover NUM_TOKENS drafted positions after its computed ones, or as many as
         the free blocks allow; returns how many it may draft."""
         start = req.num_computed_tokens  # the round's first forward computes the last token there
-        owned = len(self.blocks.block_tables.get(req.request_id, ()))
-        room = (owned + self.blocks.num_free_blocks) * self.blocks.block_size - start
-        num_tokens = max(min(num_tokens, room), 0)
+        num_tokens = max(min(num_tokens, self.blocks.positions_available(req.request_id) - start), 0)
         if num_tokens:
             self.blocks.grow(req.request_id, start + num_tokens)
         return num_tokens
