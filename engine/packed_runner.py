@@ -12,12 +12,15 @@ from engine.attention_layout import (
     FlashMetadata, GroupMember, ancestor_matrix, build_group, contiguous_first_slot, in_place_span, padded_key_len, query_mask,
     tree_paths,
 )
+from engine.decoder import LeanDecoder, supports
 from engine.forward import ForwardBatch, ForwardItem, ForwardOutput
 from engine.paged_attention import ATTENTION_NAME, MAX_GROUPED_QUERY_LEN, AttentionCapture, PackedBatch, PagedKVPool
 
-# A long prefill chunk whose context is at least this long is read in place when its slots are contiguous.
-# Short runs never are: one call per request costs more than gathering them all (measured on CPU with int4 weights:
-# a decode step of 4 requests of 1,536 positions took 41 ms in place and 31 ms gathered; 16 of 512, 89 and 57 ms).
+# A long prefill chunk whose context is at least this long is read in place when its slots are contiguous, and so is
+# a short run (decoding, verifying drafts) when it is the step's only one. Short runs of several requests are gathered
+# into one call: one call per request costs more than gathering them all (measured on CPU with int4 weights: a decode
+# step of 4 requests of 1,536 positions took 41 ms in place and 31 ms gathered; 16 of 512, 89 and 57 ms), while a
+# request decoding alone saves the gather (a batch-1 decode at 500 positions: 25.1 ms gathered, 21.3 ms in place).
 IN_PLACE_MIN_CONTEXT = 256
 
 
@@ -33,7 +36,8 @@ class PackedModelRunner:
         self.backend = backend
         self.in_place_min_context = in_place_min_context
         self.heads_per_kv_head = model.config.num_attention_heads // model.config.num_key_value_heads
-        self._hidden_hooks: set[int] = set()  # layers whose output a hook can keep
+        self._hidden_hooks: set[int] = set()  # layers whose output a hook can keep (transformers' forward)
+        self.decoder = LeanDecoder(model) if supports(model) else None  # else transformers' forward
         model.set_attn_implementation(ATTENTION_NAME)
 
     @torch.inference_mode()
@@ -44,13 +48,16 @@ class PackedModelRunner:
         packed = PackedBatch(self.pool, self.block_size, self._tensor([s for item in items for s in item.slots]))
         self._lay_out(packed, items, members)
         self._ask_captures(packed, batch, members)
-        rows = [start + row for item, start in zip(items, starts) for row in item.logit_rows + item.drafter_rows]
-        out = self.model(
-            input_ids=self._tensor([t for item in items for t in item.token_ids])[None],
-            position_ids=self._tensor([p for item in items for p in item.positions])[None],
-            use_cache=False, logits_to_keep=self._tensor(rows), packed_batch=packed,
-        )
-        return self._output(batch, packed, out.logits[0].float().cpu())
+        rows = self._tensor([start + row for item, start in zip(items, starts) for row in item.logit_rows + item.drafter_rows])
+        token_ids = self._tensor([t for item in items for t in item.token_ids])
+        positions = self._tensor([p for item in items for p in item.positions])
+        if self.decoder is not None:
+            logits = self.decoder(token_ids, positions, rows, packed)
+        else:
+            logits = self.model(
+                input_ids=token_ids[None], position_ids=positions[None], use_cache=False, logits_to_keep=rows, packed_batch=packed,
+            ).logits[0]
+        return self._output(batch, packed, logits.float().cpu())
 
     def move_kv(self, moves: list[tuple[int, int]]) -> None:
         """Copy KV between slots in every layer, in order: an accepted draft branch to its final positions."""
@@ -65,8 +72,12 @@ class PackedModelRunner:
             chains = []  # trees: SDPA, in the same step
         gathered = [path for i, item in enumerate(items) if not item.is_chain
                     for path in tree_paths(members[i], item.parents, item.slots)]  # see attention_layout.py
-        gathered += [members[i] for i in chains if members[i].query_len <= MAX_GROUPED_QUERY_LEN]
-        for member in (members[i] for i in chains if members[i].query_len > MAX_GROUPED_QUERY_LEN):
+        short = [members[i] for i in chains if members[i].query_len <= MAX_GROUPED_QUERY_LEN]
+        long = [members[i] for i in chains if members[i].query_len > MAX_GROUPED_QUERY_LEN]
+        if len(short) == 1 and not gathered:  # one sequence decoding or verifying: no call to share
+            long, short = long + short, []
+        gathered += short
+        for member in long:
             first_slot = self._in_place_first_slot(member)
             if first_slot is None:
                 gathered.append(member)
@@ -109,7 +120,11 @@ class PackedModelRunner:
         if capture.hidden_layer is not None:
             hidden_rows = [m.query_start + row for item, m in zip(batch.items, members) for row in item.hidden_rows]
             if hidden_rows:
-                self._ensure_hidden_hook(capture.hidden_layer)
+                num_layers = self.model.config.num_hidden_layers
+                if not 1 <= capture.hidden_layer <= num_layers:
+                    raise ValueError(f"hidden-state captures need a layer in [1, {num_layers}]")
+                if self.decoder is None:  # the lean decoder keeps them itself
+                    self._ensure_hidden_hook(capture.hidden_layer)
                 packed.hidden_layer, packed.hidden_index = capture.hidden_layer, self._tensor(hidden_rows)
         for layer, head in capture.attention_heads:
             packed.capture_heads.setdefault(layer, []).append(head)
@@ -133,8 +148,6 @@ class PackedModelRunner:
         index: 1 = after the first layer). The batch travels in the layer's kwargs, so the hook holds no state."""
         if hidden_layer in self._hidden_hooks:
             return
-        if not 1 <= hidden_layer <= self.model.config.num_hidden_layers:
-            raise ValueError(f"hidden-state captures need a layer in [1, {self.model.config.num_hidden_layers}]")
 
         def keep_rows(module, args, kwargs, output) -> None:
             packed = kwargs.get("packed_batch")

@@ -61,9 +61,9 @@ class PagedKVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        """key, value: [1, kv_heads, n, head_dim]; slots: [n]."""
-        self.keys[layer, slots] = key[0].transpose(0, 1)
-        self.values[layer, slots] = value[0].transpose(0, 1)
+        """key, value: [n, kv_heads, head_dim]; slots: [n]."""
+        self.keys[layer, slots] = key
+        self.values[layer, slots] = value
 
     def move(self, moves: list[tuple[int, int]]) -> None:
         """Copy each (from slot, to slot) pair's keys and values in every layer, in order."""
@@ -139,24 +139,30 @@ def _attend_heads_as_rows(
 
 
 def _row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
-    """softmax(q k^T * scale) v in plain batched matmuls, one KV head at a time (its keys read where they lie,
-    nothing copied), the softmax's sum a matmul as well; every row comes out bit for bit the same whatever the
-    other rows, the padding keys and the masked keys between its own (see engine/attention_layout.py), which CPU
-    SDPA's fused kernel does not give. q [R, kv_heads, rows, d]; k, v [R, kv_heads, L, d]; mask [R, 1, rows, L]."""
+    """softmax(q k^T * scale) v in plain batched matmuls (keys read where they lie, nothing copied), the softmax's sum
+    a matmul as well; every row comes out bit for bit the same whatever the other rows, the padding keys and the
+    masked keys between its own (see engine/attention_layout.py), which CPU SDPA's fused kernel does not give.
+    q [R, kv_heads, rows, d]; k, v [R, kv_heads, L, d]; mask [R, 1, rows, L]."""
     num_rows = q.shape[2]
     extra = -num_rows % ROW_MULTIPLE
     if extra:  # zero queries that see every key: finite, dropped
         q = F.pad(q, (0, 0, 0, extra))
         mask = F.pad(mask, (0, 0, 0, extra), value=True)
-    hidden = ~mask[:, 0]
-    ones = q.new_ones(k.shape[0], k.shape[2], SUM_COLUMNS)
-    out = []
-    for head in range(k.shape[1]):
-        scores = torch.bmm(q[:, head], k[:, head].transpose(1, 2)).mul_(scaling).masked_fill_(hidden, float("-inf"))
-        weights = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
-        total = torch.bmm(weights, ones)[..., :1]
-        out.append(torch.bmm(weights, v[:, head]).div_(total)[:, :num_rows])
-    return torch.stack(out, dim=1)
+    scores = _matmuls(q, k.transpose(2, 3)).mul_(scaling).masked_fill_(~mask, float("-inf"))
+    weights = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
+    ones = q.new_ones(k.shape[1], k.shape[2], SUM_COLUMNS).expand(k.shape[0], -1, -1, -1)  # one request's, shared
+    total = _matmuls(weights, ones)[..., :1]
+    return _matmuls(weights, v).div_(total)[:, :, :num_rows]
+
+
+def _matmuls(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [R, H, m, k] @ b [R, H, k, n] -> [R, H, m, n] as batched matmuls over one request's heads or one head's
+    requests, whichever makes fewer calls (the KV's [L, kv_heads, d] layout folds only one of the two into a batch
+    without a copy). Each matrix product is computed alone either way: the same numbers, measured."""
+    num_reqs, heads = a.shape[:2]
+    if num_reqs <= heads:
+        return torch.stack([torch.bmm(a[r], b[r]) for r in range(num_reqs)])
+    return torch.stack([torch.bmm(a[:, h], b[:, h]) for h in range(heads)], dim=1)
 
 
 def _sdpa(packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float | None, out: torch.Tensor) -> None:
@@ -217,6 +223,20 @@ def _capture_attention(packed_query: torch.Tensor, layer: int, batch: PackedBatc
         batch.captured_attention[(capture.item, layer)] = torch.softmax(scores, dim=-1)
 
 
+def paged_attention(
+    layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, packed_batch: PackedBatch,
+) -> torch.Tensor:
+    """Writes the new tokens' keys and values into the pool, then attends. query [total, heads, head_dim]; key, value
+    [total, kv_heads, head_dim] -> [total, heads, head_dim]."""
+    packed_batch.pool.write(layer, key, value, packed_batch.write_slots)
+    out = torch.empty_like(query)
+    if packed_batch.flash is not None:
+        _flash(query, layer, packed_batch, scaling, out)
+    _sdpa(query, layer, packed_batch, scaling, out)
+    _capture_attention(query, layer, packed_batch, scaling)
+    return out
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -228,19 +248,13 @@ def paged_attention_forward(
     packed_batch: PackedBatch | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query [1, heads, total, head_dim]; key, value [1, kv_heads, total, head_dim] -> [1, total, heads, head_dim]."""
+    """transformers' attention interface: query [1, heads, total, head_dim]; key, value [1, kv_heads, total, head_dim]
+    -> [1, total, heads, head_dim]."""
     if packed_batch is None:
         raise ValueError(f"{ATTENTION_NAME} attention needs a packed_batch argument")
-    layer = module.layer_idx
-    packed_batch.pool.write(layer, key, value, packed_batch.write_slots)
-    packed_query = query[0].transpose(0, 1)  # [total, heads, head_dim]
-    out = torch.empty_like(packed_query)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if packed_batch.flash is not None:
-        _flash(packed_query, layer, packed_batch, scaling, out)
-    _sdpa(packed_query, layer, packed_batch, scaling, out)
-    _capture_attention(packed_query, layer, packed_batch, scaling)
-    return out[None], None
+    packed = (t[0].transpose(0, 1) for t in (query, key, value))
+    return paged_attention(module.layer_idx, *packed, scaling, packed_batch)[None], None
 
 
 def flash_attn_available(device: torch.device) -> bool:

@@ -50,13 +50,17 @@ class Bf16Linear(torch.nn.Module):
 class Int8Linear(torch.nn.Module):
     """Symmetric int8 per output channel: w = scale[n] * q[n, k]."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor) -> None:
         super().__init__()
+        self.register_buffer("q", q.contiguous())  # [out, in] int8
+        self.register_buffer("scales", scales.to(torch.bfloat16))  # [out]
+        self.out_features = q.shape[0]
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor) -> Int8Linear:
         weight = weight.float()
-        scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12)  # [out]
-        self.register_buffer("q", torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
-        self.register_buffer("scales", scales.to(torch.bfloat16))
-        self.out_features = weight.shape[0]
+        scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12)
+        return cls(torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8), scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -83,12 +87,26 @@ class Q4Groups:
 
 
 class Int4Linear(torch.nn.Module):
-    def __init__(self, groups: Q4Groups) -> None:
+    def __init__(self, codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
+        """codes [out, in] int32 in 0..15; scales_and_zeros [in / 32, out, 2]."""
         super().__init__()
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.codes.contiguous(), 1))
-        scales_and_zeros = torch.stack([groups.scales.T, groups.zeros.T], dim=-1)  # [in / 32, out, 2]
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1))
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16).contiguous())
-        self.out_features = groups.codes.shape[0]
+        self.out_features = codes.shape[0]
+
+    @classmethod
+    def from_groups(cls, groups: Q4Groups) -> Int4Linear:
+        return cls(groups.codes, torch.stack([groups.scales.T, groups.zeros.T], dim=-1))
+
+    def codes(self) -> torch.Tensor:
+        """The 4-bit codes back, [out, in] int32, read by the kernel itself (its packing is blocked by output channel
+        in a layout of its own): with scale 1 and zero 0 it multiplies the identity into q - 8, exact in bfloat16."""
+        num_groups = self.scales_and_zeros.shape[0]
+        unit = torch.zeros(num_groups, self.out_features, 2, dtype=torch.bfloat16)
+        unit[..., 0] = 1
+        identity = torch.eye(num_groups * GROUP_SIZE, dtype=torch.bfloat16)
+        shifted = torch.ops.aten._weight_int4pack_mm_for_cpu(identity, self.packed, GROUP_SIZE, unit)  # [in, out]
+        return (shifted.float().T + 8).round().to(torch.int32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -160,7 +178,7 @@ def apply_weights(model: torch.nn.Module, mode: str, gguf_path: str | None = Non
             replacement, exact = _replacement(model.config, mode, linear, tensors.get(f"blk.{i}.{GGUF_LINEARS[name]}.weight"), child_name)
             setattr(parent, child_name, replacement)
             num_exact += exact
-    model.lm_head = Bf16Linear(model.lm_head.weight) if mode == "bfloat16" else Int8Linear(model.lm_head.weight)
+    model.lm_head = Bf16Linear(model.lm_head.weight) if mode == "bfloat16" else Int8Linear.from_weight(model.lm_head.weight)
     if mode == "int4":
         total = len(model.model.layers) * len(GGUF_LINEARS)
         logger.info("int4 weights: %d of %d Linear layers mapped from the GGUF's Q4 blocks, the rest rounded by range",
@@ -173,14 +191,75 @@ def _replacement(config, mode: str, linear: torch.nn.Linear, gguf_tensor, name: 
     if mode == "bfloat16":
         return Bf16Linear(linear.weight), False
     if mode == "int8":
-        return Int8Linear(linear.weight), False
+        return Int8Linear.from_weight(linear.weight), False
     if linear.out_features % INT4_CHANNEL_MULTIPLE or linear.in_features % GROUP_SIZE:
         raise ValueError(f"--weights int4 needs layers of multiples of {INT4_CHANNEL_MULTIPLE} x {GROUP_SIZE}")
     groups = None
     if gguf_tensor is not None:
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name)
         groups = gguf_q4_groups(gguf_tensor, llama_row_order(linear.out_features, heads) if heads else None)
-    return Int4Linear(groups or Q4Groups.by_range(linear.weight)), groups is not None
+    return Int4Linear.from_groups(groups or Q4Groups.by_range(linear.weight)), groups is not None
+
+
+class OutputSlice(torch.nn.Module):
+    """What a fused Linear leaves in the place of one of its parts: that part's output channels of the fused output.
+    The lean forward (engine/decoder.py) calls the fused Linear once; the model's own forward, which calibration and
+    tools still call, computes the fused output for each part and keeps its slice: right, and slower."""
+
+    def __init__(self, fused: torch.nn.Module, start: int, end: int) -> None:
+        super().__init__()
+        self.fused, self.start, self.end = fused, start, end
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)[..., self.start:self.end]
+
+
+@torch.no_grad()
+def fuse_linears(parent: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Module:
+    """One Linear whose output channels are those of PARENT's Linears NAMES, in order; each part is left as its
+    OutputSlice. Idempotent: parts already fused together give their fused Linear back. A Linear computes each output
+    channel from its own weights, so the fused one gives the parts' numbers (checked in tests/engine/test_weights.py)."""
+    parts = [getattr(parent, name) for name in names]
+    if all(isinstance(part, OutputSlice) for part in parts) and len({id(part.fused) for part in parts}) == 1:
+        return parts[0].fused
+    fused, start = _concatenate(parts), 0
+    for name, part in zip(names, parts):
+        end = start + _out_features(part)
+        setattr(parent, name, OutputSlice(fused, start, end))
+        start = end
+    return fused
+
+
+def _out_features(linear: torch.nn.Module) -> int:
+    return linear.weight.shape[0] if isinstance(linear, (torch.nn.Linear, Bf16Linear)) else linear.out_features
+
+
+def _concatenate(parts: list[torch.nn.Module]) -> torch.nn.Module:
+    kind = type(parts[0])
+    if any(type(part) is not kind for part in parts):
+        raise ValueError(f"cannot fuse Linear layers of different kinds: {[type(p).__name__ for p in parts]}")
+    if kind is Int4Linear:
+        return Int4Linear(torch.cat([p.codes() for p in parts]), torch.cat([p.scales_and_zeros for p in parts], dim=1))
+    if kind is Int8Linear:
+        return Int8Linear(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]))
+    if kind is Bf16Linear:
+        return Bf16Linear(torch.cat([p.weight for p in parts]))
+    if kind is torch.nn.Linear:
+        return _float_linear(parts)
+    raise ValueError(f"cannot fuse Linear layers of kind {kind.__name__}")
+
+
+def _float_linear(parts: list[torch.nn.Linear]) -> torch.nn.Linear:
+    """The parts' weights (and biases) concatenated, kept input-major when the parts were (engine/model_loader.py)."""
+    weight = torch.cat([p.weight for p in parts])
+    if parts[0].weight.stride(0) == 1:
+        weight = weight.t().contiguous().t()
+    bias = torch.cat([p.bias for p in parts]) if parts[0].bias is not None else None
+    fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    fused.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        fused.bias = torch.nn.Parameter(bias, requires_grad=False)
+    return fused
 
 
 def _gguf_tensors(path: str) -> dict:

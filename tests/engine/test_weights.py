@@ -29,7 +29,7 @@ def test_the_int4_kernel_multiplies_by_the_groups_weights():
     assert (dequantized(groups) - weight).abs().max() < (weight.abs().max() / 15)  # rounding to 16 levels
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
     expected = x.bfloat16().float() @ dequantized_bf16(groups).T  # the kernel's bf16 scales and inputs
-    torch.testing.assert_close(Int4Linear(groups)(x), expected, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(Int4Linear.from_groups(groups)(x), expected, rtol=2e-2, atol=2e-2)
 
 
 def dequantized_bf16(groups: Q4Groups) -> torch.Tensor:
@@ -39,7 +39,7 @@ def dequantized_bf16(groups: Q4Groups) -> torch.Tensor:
 
 def test_the_int8_layer_keeps_one_scale_per_output_channel():
     weight = torch.randn(16, 32, generator=torch.Generator().manual_seed(2))
-    layer = Int8Linear(weight)
+    layer = Int8Linear.from_weight(weight)
     restored = layer.q.float() * layer.scales.float()[:, None]
     assert (restored - weight).abs().max() <= weight.abs().amax() / 127
     x = torch.randn(3, 32)
