@@ -83,14 +83,14 @@ def timed_step(engine, profile: bool) -> tuple[dict[str, float], dict[str, float
     with profiling as profiler:
         batch, model_out = engine._execute(sched_out)
     times["forward"] = time.perf_counter()
-    results = engine._verify(sched_out.scheduled, model_out)
+    results, _ = engine._verify(sched_out.scheduled, model_out)
     times["verify"] = time.perf_counter()
     update = engine.scheduler.update(sched_out, results)
     engine.runner.move_kv(update.kv_moves)
     times["update"] = time.perf_counter()
     engine._after_update(sched_out, batch, model_out, results, update)
     times["draft"] = time.perf_counter()
-    msgspec.msgpack.encode(EngineOutputs([_wire_output(u) for u in update.updates], update.stats))
+    msgspec.msgpack.encode(EngineOutputs([_wire_output(u, None) for u in update.updates], update.stats))
     times["wire"] = time.perf_counter()
     phases, previous = {}, start
     for phase in PHASES:

@@ -4,8 +4,9 @@ All scheduled sequences' new tokens travel in one sequence `[1, total_new_tokens
 Each layer writes its new keys and values into the shared pool at the slots the
 forward items give, then attends, for every sequence, over that sequence's own keys
 in the pool as its layout says (engine/attention_layout.py: a causal chain, or a
-tree whose tokens see their ancestors only). Registered through transformers'
-public AttentionInterface, so the model code itself stays transformers'.
+tree whose tokens see their ancestors only). The lean decoder (engine/decoder.py)
+calls `paged_attention` directly; for other architectures it is registered through
+transformers' public AttentionInterface, so their model code stays transformers'.
 
 Two backends, chosen at start-up:
 - `sdpa` (CPU and CUDA): short query runs (decoding, verifying drafts) are grouped,
@@ -13,7 +14,7 @@ Two backends, chosen at start-up:
   `scaled_dot_product_attention` call. A long prefill chunk whose context lies in one
   contiguous run of the pool (the block manager places blocks so that it usually does)
   is attended on a view of the pool, nothing copied; otherwise gathered, in a call of
-  its own. (Measured on the 2-core CPU with int4 weights: gathering short runs beat one
+  its own. So is a short run that is alone in its step (one request decoding). (Measured on the 2-core CPU with int4 weights: gathering short runs beat one
   in-place call per request at every batch and context tried, and beat a hand-written
   C++ kernel that read the blocks in place: MKL's batched matmuls outrun per-key dot
   products.)
@@ -160,6 +161,8 @@ def _matmuls(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     requests, whichever makes fewer calls (the KV's [L, kv_heads, d] layout folds only one of the two into a batch
     without a copy). Each matrix product is computed alone either way: the same numbers, measured."""
     num_reqs, heads = a.shape[:2]
+    if num_reqs == 1:
+        return torch.bmm(a[0], b[0])[None]
     if num_reqs <= heads:
         return torch.stack([torch.bmm(a[r], b[r]) for r in range(num_reqs)])
     return torch.stack([torch.bmm(a[:, h], b[:, h]) for h in range(heads)], dim=1)
