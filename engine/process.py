@@ -16,6 +16,7 @@ from scheduler.scheduler import QueueFullError
 logger = logging.getLogger("specserve.engine")
 
 IDLE_POLL_MS = 1000  # while idle, how often the engine checks that its server still exists
+SEND_TIMEOUT_MS = 1000  # while a send waits for the server, how often the engine checks that it still exists
 
 
 class EngineLoop:
@@ -25,6 +26,7 @@ class EngineLoop:
         self.inbox = self.context.socket(zmq.PULL)
         self.inbox.connect(input_address)
         self.outbox = self.context.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         self.outbox.connect(output_address)
         self.decoder = msgspec.msgpack.Decoder(ToEngine)
         self.encoder = msgspec.msgpack.Encoder()
@@ -32,7 +34,14 @@ class EngineLoop:
         self.parent_pid = os.getppid()
 
     def send(self, message) -> None:
-        self.outbox.send(self.encoder.encode(message))
+        """Waits for the server as long as it exists: a PUSH to a server that is gone would wait for ever (an engine
+        orphaned that way was found holding 2.8 GB an hour after its test run was killed)."""
+        raw = self.encoder.encode(message)
+        while True:
+            try:
+                return self.outbox.send(raw)
+            except zmq.Again:
+                self._exit_if_orphaned()
 
     def run(self) -> None:
         from engine.engine import Engine  # heavy imports happen in the child only
