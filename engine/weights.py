@@ -32,6 +32,7 @@ from engine.config import WEIGHT_MODES  # the choices live with the config, whic
 logger = logging.getLogger("specserve.engine")
 GROUP_SIZE = 32  # weights per int4 group: a GGUF Q4 block
 INT4_CHANNEL_MULTIPLE = 16  # the int4 CPU kernel needs output channels in multiples of 16
+INT4_PACK_BLOCK = 64  # it packs output channels in blocks of 64: whole blocks' packings concatenate (tested)
 GGUF_LINEARS = {  # transformers' Llama module name -> the GGUF tensor of layer i
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
@@ -87,16 +88,21 @@ class Q4Groups:
 
 
 class Int4Linear(torch.nn.Module):
-    def __init__(self, codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
-        """codes [out, in] int32 in 0..15; scales_and_zeros [in / 32, out, 2]."""
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
+        """packed: the kernel's packing of [out, in] 4-bit codes; scales_and_zeros [in / 32, out, 2]."""
         super().__init__()
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1))
+        self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16).contiguous())
-        self.out_features = codes.shape[0]
+        self.out_features = packed.shape[0]
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> Int4Linear:
+        """codes [out, in] int32 in 0..15."""
+        return cls(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1), scales_and_zeros)
 
     @classmethod
     def from_groups(cls, groups: Q4Groups) -> Int4Linear:
-        return cls(groups.codes, torch.stack([groups.scales.T, groups.zeros.T], dim=-1))
+        return cls.from_codes(groups.codes, torch.stack([groups.scales.T, groups.zeros.T], dim=-1))
 
     def codes(self) -> torch.Tensor:
         """The 4-bit codes back, [out, in] int32, read by the kernel itself (its packing is blocked by output channel
@@ -239,7 +245,10 @@ def _concatenate(parts: list[torch.nn.Module]) -> torch.nn.Module:
     if any(type(part) is not kind for part in parts):
         raise ValueError(f"cannot fuse Linear layers of different kinds: {[type(p).__name__ for p in parts]}")
     if kind is Int4Linear:
-        return Int4Linear(torch.cat([p.codes() for p in parts]), torch.cat([p.scales_and_zeros for p in parts], dim=1))
+        scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], dim=1)
+        if all(p.out_features % INT4_PACK_BLOCK == 0 for p in parts):  # whole blocks: the packings concatenate
+            return Int4Linear(torch.cat([p.packed for p in parts]), scales_and_zeros)
+        return Int4Linear.from_codes(torch.cat([p.codes() for p in parts]), scales_and_zeros)
     if kind is Int8Linear:
         return Int8Linear(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]))
     if kind is Bf16Linear:

@@ -95,6 +95,16 @@ def test_a_fused_linear_computes_its_parts_numbers_and_leaves_them_usable(kind):
     assert fuse_linears(parent, names) is fused  # fused once, however many runners ask
 
 
+def test_int4_parts_of_whole_packing_blocks_concatenate_without_unpacking():
+    """Parts of 128 and 64 channels (the embedded model's are 576, 192, 192 and 1536, 1536): their packed buffers
+    joined are the packing of the joined codes, so fusing them reads no codes back."""
+    parent = torch.nn.Module()
+    parent.a, parent.b = linears("int4", [128, 64])
+    codes = torch.cat([parent.a.codes(), parent.b.codes()])
+    fused = fuse_linears(parent, ("a", "b"))
+    assert torch.equal(fused.packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+
+
 def test_the_int4_codes_come_back_from_the_kernels_packing():
     groups = Q4Groups.by_range(torch.randn(80, 64, generator=torch.Generator().manual_seed(4)))
     assert torch.equal(Int4Linear.from_groups(groups).codes(), groups.codes)
