@@ -14,7 +14,8 @@ Two backends, chosen at start-up:
   `scaled_dot_product_attention` call. A long prefill chunk whose context lies in one
   contiguous run of the pool (the block manager places blocks so that it usually does)
   is attended on a view of the pool, nothing copied; otherwise gathered, in a call of
-  its own. So is a short run that is alone in its step (one request decoding). (Measured on the 2-core CPU with int4 weights: gathering short runs beat one
+  its own. So is a short run that is alone in its step (one request decoding).
+  (Measured on the 2-core CPU with int4 weights: gathering short runs beat one
   in-place call per request at every batch and context tried, and beat a hand-written
   C++ kernel that read the blocks in place: MKL's batched matmuls outrun per-key dot
   products.)

@@ -43,6 +43,7 @@ class Bf16Linear(torch.nn.Module):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.register_buffer("weight", weight.to(torch.bfloat16).contiguous())  # [out, in]
+        self.out_features = weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
@@ -224,20 +225,16 @@ class OutputSlice(torch.nn.Module):
 def fuse_linears(parent: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Module:
     """One Linear whose output channels are those of PARENT's Linears NAMES, in order; each part is left as its
     OutputSlice. Idempotent: parts already fused together give their fused Linear back. A Linear computes each output
-    channel from its own weights, so the fused one gives the parts' numbers (checked in tests/engine/test_weights.py)."""
+    channel from its own weights, so the fused one gives the parts' numbers (checked in tests/engine/test_decoder.py)."""
     parts = [getattr(parent, name) for name in names]
     if all(isinstance(part, OutputSlice) for part in parts) and len({id(part.fused) for part in parts}) == 1:
         return parts[0].fused
     fused, start = _concatenate(parts), 0
     for name, part in zip(names, parts):
-        end = start + _out_features(part)
+        end = start + part.out_features
         setattr(parent, name, OutputSlice(fused, start, end))
         start = end
     return fused
-
-
-def _out_features(linear: torch.nn.Module) -> int:
-    return linear.weight.shape[0] if isinstance(linear, (torch.nn.Linear, Bf16Linear)) else linear.out_features
 
 
 def _concatenate(parts: list[torch.nn.Module]) -> torch.nn.Module:
