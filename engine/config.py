@@ -9,7 +9,7 @@ from scheduler.config import SESSION_MODES, SchedulerConfig, SessionConfig
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-WEIGHT_MODES = ("auto", "float32", "bfloat16", "int8", "int4")  # engine/weights.py; kept here so config imports no torch
+WEIGHT_MODES = ("auto", "float32", "bfloat16", "int8", "int4", "w4a8")  # engine/weights.py; kept here so config imports no torch
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class ModelConfig:
     num_threads: int | None = None  # CPU threads for torch; None = torch's default
     seed: int = 0  # torch's global seed, for requests sampled without a seed of their own
     cache_dir: str | None = None  # tables derived from the model (drafters); None = $XDG_CACHE_HOME/specserve
-    weights: str = "auto"  # how Linear layers keep their weights: auto | float32 | bfloat16 | int8 | int4 (engine/weights.py)
+    weights: str = "auto"  # how Linear layers keep their weights: auto | float32 | bfloat16 | int8 | int4 | w4a8 (engine/weights.py)
     draft_model: str | None = None  # early-exit:N, or what `model` takes; None = no draft model (engine/draft_model.py)
     companion_model: str | None = None  # SV's companion: the same forms (engine/companion.py); None = statistics only
 

@@ -1,4 +1,4 @@
-"""How the target's Linear layers keep and multiply their weights: `--weights auto|float32|bfloat16|int8|int4`.
+"""How the target's Linear layers keep and multiply their weights: `--weights auto|float32|bfloat16|int8|int4|w4a8`.
 
 - float32: the weights as loaded (a GGUF dequantized exactly to float32).
 - bfloat16: weights rounded to bfloat16; each Linear multiplies in bfloat16 (oneDNN).
@@ -13,6 +13,9 @@
   Linear's input is rounded to bfloat16. Tensors of other GGUF types, and models that
   are not GGUF, are quantised to 4 bits by rounding each group's range (min to max).
   The output layer (a GGUF's tied Q8_0 token embedding) is kept as int8.
+- w4a8: the same 4-bit blocks (scales and minimums in float32) and a Q8_0 output layer's own
+  8-bit blocks, with activations rounded to 8 bits per block of 32 and the products summed
+  in integers, as llama.cpp does on the CPU (engine/w4a8.py; needs AVX512-VNNI).
 
 The served model is the one these weights make: speculation is exact against plain
 decoding of the same mode (tests/engine/test_weights.py), not against float32.
@@ -72,11 +75,16 @@ class Int8Linear(torch.nn.Module):
 
 @dataclass
 class Q4Groups:
-    """4-bit codes and per-group affine parameters: w[n, k] = scale[n, g] * (q[n, k] - 8) + zero[n, g], g = k // 32."""
+    """4-bit codes and per-group affine parameters: w[n, k] = scale[n, g] * q[n, k] + min[n, g], g = k // 32."""
 
     codes: torch.Tensor  # [out, in] int32 in 0..15
     scales: torch.Tensor  # [out, in / 32] float32
-    zeros: torch.Tensor  # [out, in / 32] float32
+    mins: torch.Tensor  # [out, in / 32] float32
+
+    @property
+    def zeros(self) -> torch.Tensor:
+        """The int4 kernel's zero point, which it adds to scale * (q - 8)."""
+        return self.mins + 8 * self.scales
 
     @classmethod
     def by_range(cls, weight: torch.Tensor) -> Q4Groups:
@@ -85,7 +93,7 @@ class Q4Groups:
         low, high = groups.amin(-1), groups.amax(-1)
         step = ((high - low) / 15).clamp_min(1e-12)
         codes = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32)
-        return cls(codes.reshape(weight.shape), step, low + 8 * step)
+        return cls(codes.reshape(weight.shape), step, low)
 
 
 class Int4Linear(torch.nn.Module):
@@ -138,10 +146,25 @@ def gguf_q4_groups(tensor, row_order: np.ndarray | None) -> Q4Groups | None:
     m = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32) if block_bytes == 20 else None
     packed = blocks[:, :, block_bytes - 16:]
     codes = np.concatenate([packed & 0x0F, packed >> 4], axis=2).reshape(rows, -1).astype(np.int32)  # low nibbles first
-    zeros = m + 8 * d if m is not None else np.zeros_like(d)
+    mins = m if m is not None else -8 * d
     if row_order is not None:
-        codes, d, zeros = codes[row_order], d[row_order], zeros[row_order]
-    return Q4Groups(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(d), torch.from_numpy(zeros))
+        codes, d, mins = codes[row_order], d[row_order], mins[row_order]
+    return Q4Groups(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(d), torch.from_numpy(mins))
+
+
+def gguf_q8_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A GGUF Q8_0 tensor (w = d q, blocks of 32) as (codes [rows, cols] int32, scales and zero minimums
+    [rows, cols / 32] float32), exactly; None for other types."""
+    from gguf import GGMLQuantizationType
+
+    if tensor.tensor_type != GGMLQuantizationType.Q8_0:
+        return None
+    raw = np.asarray(tensor.data)
+    blocks = raw.reshape(raw.shape[0], -1, 34)  # float16 d, then 32 signed codes
+    d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    codes = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(raw.shape[0], -1).astype(np.int32)
+    scales = torch.from_numpy(d)
+    return torch.from_numpy(codes), scales, torch.zeros_like(scales)
 
 
 def llama_row_order(num_rows: int, num_heads: int) -> np.ndarray:
@@ -150,15 +173,20 @@ def llama_row_order(num_rows: int, num_heads: int) -> np.ndarray:
 
 
 def resolve_weights(mode: str, device: torch.device, gguf_path: str | None) -> str:
-    """The mode `auto` stands for: int4 for a GGUF of Q4 weights where the kernel runs vectorised (CPUs with
-    AVX-512), else float32; and on CUDA the model's dtype as loaded (float32 names it)."""
+    """The mode `auto` stands for. For a GGUF of Q4 weights on a CPU with AVX-512: w4a8 where its kernel builds and
+    the CPU has VNNI (verifying drafts costs least there: bench/results/step-profile), else int4. Otherwise float32,
+    and on CUDA the model's dtype as loaded (float32 names it)."""
+    from engine import w4a8
+
+    if mode == "w4a8" and not w4a8.available():
+        raise ValueError("--weights w4a8 needs a CPU with AVX512-VNNI and a C++ compiler to build its kernel (see the log)")
     if mode != "auto":
         return mode
-    if device.type != "cpu":
+    if device.type != "cpu" or not (gguf_path and gguf_is_q4(gguf_path)):
         return "float32"
-    if gguf_path and gguf_is_q4(gguf_path) and torch.backends.cpu.get_cpu_capability() == "AVX512":
-        return "int4"
-    return "float32"
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return "float32"
+    return "w4a8" if w4a8.available() else "int4"
 
 
 def gguf_is_q4(path: str) -> bool:
@@ -175,7 +203,7 @@ def apply_weights(model: torch.nn.Module, mode: str, gguf_path: str | None = Non
         return
     if mode not in WEIGHT_MODES[1:]:
         raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {mode!r}")
-    tensors = _gguf_tensors(gguf_path) if mode == "int4" and gguf_path else {}
+    tensors = _gguf_tensors(gguf_path) if mode in ("int4", "w4a8") and gguf_path else {}
     num_exact = 0
     for i, layer in enumerate(model.model.layers):
         for name in GGUF_LINEARS:
@@ -185,11 +213,22 @@ def apply_weights(model: torch.nn.Module, mode: str, gguf_path: str | None = Non
             replacement, exact = _replacement(model.config, mode, linear, tensors.get(f"blk.{i}.{GGUF_LINEARS[name]}.weight"), child_name)
             setattr(parent, child_name, replacement)
             num_exact += exact
-    model.lm_head = Bf16Linear(model.lm_head.weight) if mode == "bfloat16" else Int8Linear.from_weight(model.lm_head.weight)
-    if mode == "int4":
+    model.lm_head = _output_layer(mode, model.lm_head, tensors.get("output.weight") or tensors.get("token_embd.weight"))
+    if mode in ("int4", "w4a8"):
         total = len(model.model.layers) * len(GGUF_LINEARS)
-        logger.info("int4 weights: %d of %d Linear layers mapped from the GGUF's Q4 blocks, the rest rounded by range",
-                    num_exact, total)
+        logger.info("%s weights: %d of %d Linear layers mapped from the GGUF's Q4 blocks, the rest rounded by range",
+                    mode, num_exact, total)
+
+
+def _output_layer(mode: str, lm_head: torch.nn.Module, gguf_tensor) -> torch.nn.Module:
+    from engine.w4a8 import W4A8Linear
+
+    if mode == "bfloat16":
+        return Bf16Linear(lm_head.weight)
+    if mode != "w4a8":
+        return Int8Linear.from_weight(lm_head.weight)
+    blocks = gguf_q8_blocks(gguf_tensor) if gguf_tensor is not None else None
+    return W4A8Linear.from_blocks(*blocks, bits=8) if blocks else W4A8Linear.int8_from_weight(lm_head.weight)
 
 
 def _replacement(config, mode: str, linear: torch.nn.Linear, gguf_tensor, name: str) -> tuple[torch.nn.Module, bool]:
@@ -205,7 +244,13 @@ def _replacement(config, mode: str, linear: torch.nn.Linear, gguf_tensor, name: 
     if gguf_tensor is not None:
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name)
         groups = gguf_q4_groups(gguf_tensor, llama_row_order(linear.out_features, heads) if heads else None)
-    return Int4Linear.from_groups(groups or Q4Groups.by_range(linear.weight)), groups is not None
+    exact = groups is not None
+    groups = groups or Q4Groups.by_range(linear.weight)
+    if mode == "w4a8":
+        from engine.w4a8 import W4A8Linear
+
+        return W4A8Linear.from_blocks(groups.codes, groups.scales, groups.mins, bits=4), exact
+    return Int4Linear.from_groups(groups), exact
 
 
 class OutputSlice(torch.nn.Module):
@@ -246,6 +291,10 @@ def _concatenate(parts: list[torch.nn.Module]) -> torch.nn.Module:
         if all(p.out_features % INT4_PACK_BLOCK == 0 for p in parts):  # whole blocks: the packings concatenate
             return Int4Linear(torch.cat([p.packed for p in parts]), scales_and_zeros)
         return Int4Linear.from_codes(torch.cat([p.codes() for p in parts]), scales_and_zeros)
+    if kind.__name__ == "W4A8Linear":
+        from engine.w4a8 import concatenate
+
+        return concatenate(parts)
     if kind is Int8Linear:
         return Int8Linear(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]))
     if kind is Bf16Linear:

@@ -20,7 +20,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weights", choices=WEIGHT_MODES, default="auto",
         help="how Linear layers keep their weights on the CPU: float32, bfloat16, int8 or int4 (weight-only kernels; "
-             "a GGUF's Q4 blocks map onto int4 directly). auto: int4 for a Q4 GGUF on an AVX-512 CPU, else float32",
+             "a GGUF's Q4 blocks map onto int4 directly), or w4a8 (the GGUF's blocks with activations rounded to 8 bits, "
+             "multiplied in integers as llama.cpp does; AVX512-VNNI). auto: w4a8, else int4, for a Q4 GGUF on an "
+             "AVX-512 CPU, else float32",
     )
     parser.add_argument("--max-model-len", type=int, default=None, help="context length in tokens")
     parser.add_argument("--trust-remote-code", action="store_true", help="let transformers run the model repo's own code")

@@ -30,3 +30,13 @@ def run_to_completion(
         output.new_token_ids = tokens[request_id]
         output.logprobs = logprobs[request_id] if output.logprobs is not None else None
     return finals
+
+
+def w4a8_param() -> "pytest.param":
+    """The w4a8 weight mode as a test parameter, skipped (with the reason) where its kernel cannot run."""
+    import pytest
+
+    from engine.w4a8 import available
+
+    return pytest.param("w4a8", marks=pytest.mark.skipif(
+        not available(), reason="--weights w4a8 needs AVX512-VNNI and a C++ compiler for its kernel"))

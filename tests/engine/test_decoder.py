@@ -1,5 +1,7 @@
 """The lean decoder: transformers' logits bit for bit, in fewer calls; fused Linear layers compute their parts'
 numbers; which models it serves."""
+from dataclasses import astuple
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
@@ -9,9 +11,10 @@ from engine.decoder import supports
 from engine.forward import ForwardBatch, chain_item, tree_item
 from engine.paged_attention import PagedKVPool
 from engine.weights import Bf16Linear, Int4Linear, Int8Linear, OutputSlice, Q4Groups, apply_weights, fuse_linears
+from tests.engine.helpers import w4a8_param
 
 BLOCK_SIZE = 4
-MODES = ["float32", "bfloat16", "int8", "int4"]
+MODES = ["float32", "bfloat16", "int8", "int4", w4a8_param()]
 
 
 def runner_for(model_dir, weights, lean, monkeypatch):
@@ -65,6 +68,10 @@ def linears(kind: str, sizes: list[int], in_features: int = 64) -> list[torch.nn
         return [Bf16Linear(weight) for weight in weights]
     if kind == "int8":
         return [Int8Linear.from_weight(weight) for weight in weights]
+    if kind == "w4a8":
+        from engine.w4a8 import W4A8Linear
+
+        return [W4A8Linear.from_blocks(*astuple(Q4Groups.by_range(weight)), bits=4) for weight in weights]
     return [Int4Linear.from_groups(Q4Groups.by_range(weight)) for weight in weights]
 
 

@@ -12,6 +12,7 @@ from engine.forward import ForwardBatch, ForwardItem, chain_item, slots_of, tree
 from engine.packed_runner import PackedModelRunner
 from engine.paged_attention import PagedKVPool
 from scheduler.kv_blocks import KVBlockManager
+from tests.engine.helpers import w4a8_param
 
 BLOCK_SIZE = 4
 
@@ -217,7 +218,7 @@ def test_a_forward_item_says_everything_as_plain_data():
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("weights", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("weights", ["bfloat16", "int8", "int4", w4a8_param()])
 def test_a_tokens_logits_are_bit_identical_whatever_forward_computes_it(tiny_model_dir, path, weights, monkeypatch):
     """Batch invariance: one prefill of the whole sequence, token-by-token decoding beside another request, chains of
     drafts, and a tree whose path runs between other branches give every position exactly the same logits, with
@@ -237,7 +238,9 @@ def test_the_default_model_is_batch_invariant_with_the_weights_it_is_served_with
     from engine.config import ModelConfig
     from engine.model_loader import load_model
 
-    assert_batch_invariant(load_model(ModelConfig(weights="int4")).model, path, monkeypatch, vocab=40000)
+    loaded = load_model(ModelConfig())
+    assert loaded.weights in ("w4a8", "int4", "float32")  # auto: what this host serves the embedded model with
+    assert_batch_invariant(loaded.model, path, monkeypatch, vocab=40000)
 
 
 @dataclass

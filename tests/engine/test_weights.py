@@ -12,7 +12,7 @@ from engine.model_source import resolve_model_source
 from engine.weights import Int4Linear, Int8Linear, Q4Groups, gguf_q4_groups, llama_row_order
 from engine.wire import SamplingParams
 from scheduler.config import SchedulerConfig
-from tests.engine.helpers import run_to_completion
+from tests.engine.helpers import run_to_completion, w4a8_param
 from tests.engine.test_engine import prompts
 
 
@@ -33,8 +33,10 @@ def test_the_int4_kernel_multiplies_by_the_groups_weights():
 
 
 def dequantized_bf16(groups: Q4Groups) -> torch.Tensor:
-    rounded = Q4Groups(groups.codes, groups.scales.bfloat16().float(), groups.zeros.bfloat16().float())
-    return dequantized(rounded)
+    """The weights with the kernel's bfloat16 scales and zero points."""
+    step = groups.scales.bfloat16().float().repeat_interleave(32, dim=1)
+    zero = groups.zeros.bfloat16().float().repeat_interleave(32, dim=1)
+    return step * (groups.codes.float() - 8) + zero
 
 
 def test_the_int8_layer_keeps_one_scale_per_output_channel():
@@ -72,7 +74,7 @@ def test_row_order_is_a_permutation_within_each_head():
     assert np.array_equal(np.sort(order[4:]), np.arange(4, 8))
 
 
-@pytest.mark.parametrize("weights", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("weights", ["bfloat16", "int8", "int4", w4a8_param()])
 def test_speculation_is_exact_against_plain_decoding_with_the_same_weights(tiny_model_dir, tmp_path, weights):
     def engine(drafter):
         return Engine(EngineConfig(
