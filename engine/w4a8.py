@@ -68,6 +68,8 @@ class W4A8Linear(torch.nn.Module):
     def __init__(self, codes: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
                  out_features: int | None = None) -> None:
         super().__init__()
+        if kernel() is None:  # it registers torch.ops.specserve.w4a8_linear
+            raise RuntimeError("--weights w4a8 needs a CPU with AVX512-VNNI and a C++ compiler to build its kernel")
         self.register_buffer("codes", codes)  # [N / 16, K / 32, 64 * bits] int8
         self.register_buffer("shift", shift)  # [N / 16, K / 32, 16] int32: 128 * sum of each block's codes
         self.register_buffer("scale", scale)  # [N / 16, K / 32, 16] float32
@@ -106,7 +108,7 @@ class W4A8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float().contiguous()
-        out = kernel().linear(rows, self.codes, self.shift, self.scale, self.minimum, self.bits)
+        out = torch.ops.specserve.w4a8_linear(rows, self.codes, self.shift, self.scale, self.minimum, self.bits)
         if out.shape[1] != self.out_features:
             out = out[:, :self.out_features]
         return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
