@@ -35,9 +35,9 @@ cxx:
 		echo "make setup: no g++ and no root to install it: --weights w4a8 will be unavailable"; \
 	fi
 
-# The w4a8 kernel compiled once for this host (~30 s) into the user cache, so no server or test start waits on it.
-$(KERNEL_STAMP): engine/csrc/w4a8_linear.cpp $(STAMP)
-	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO, format='make setup: %(message)s'); from engine.w4a8 import kernel; kernel()"
+# specserve's CPU kernels (engine/csrc) compiled once for this host (~30 s) into the user cache, so no server or test start waits on it.
+$(KERNEL_STAMP): $(wildcard engine/csrc/*.cpp) $(STAMP)
+	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO, format='make setup: %(message)s'); from engine.cpu_kernels import kernels; kernels()"
 	touch $(KERNEL_STAMP)
 
 # Prometheus and promtool (Debian's package) for tests/deploy; a quick no-op once installed.

@@ -47,7 +47,8 @@ class AttentionGroup:
     packed_index: torch.Tensor  # [n] packed index of those queries
     tail_keys: torch.Tensor | None = None  # [m] flat indices into the gathered [R * blocks * block_size] keys that
     tail_slots: torch.Tensor | None = None  # [m] take these pool slots' keys instead (a tree path's nodes)
-    scratch: torch.Tensor | None = None  # buffers the layers gather keys and values into, made by the first
+    scratch: torch.Tensor | None = None  # buffers the layers gather keys and values into, made by the first layer
+    blocked: torch.Tensor | None = None  # the CPU path's padded, inverted mask (paged_attention._blocked), likewise
 
 
 @dataclass
@@ -59,6 +60,7 @@ class InPlaceSpan:
     first_slot: int  # pool slot of its KV index 0
     context_len: int  # L, padded (padded_key_len)
     mask: torch.Tensor  # [1, 1, heads_per_kv_head * Q, L] True where a query may look
+    blocked: torch.Tensor | None = None  # the CPU path's padded, inverted mask (paged_attention._blocked), made once
 
 
 @dataclass

@@ -30,6 +30,7 @@ flash-attn return no weights.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -123,38 +124,69 @@ def _gather_group(layer_pool: torch.Tensor, group: AttentionGroup, into: torch.T
 
 
 def _attend_heads_as_rows(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: AttentionGroup | InPlaceSpan, scaling: float | None
 ) -> torch.Tensor:
     """SDPA for grouped-query attention with the query heads that share a KV head folded into extra query rows of
     that head, so every KV head is read once (on CPU ~1.5x faster than `enable_gqa`, which reads it per query head).
 
-    q [R, heads, Q, head_dim]; k, v [R, kv_heads, L, head_dim]; mask [R, 1, Q * heads / kv_heads, L] (already
-    tiled) -> [R, heads, Q, head_dim].
+    q [R, heads, Q, head_dim]; k, v [R, kv_heads, L, head_dim]; WHERE's mask [R, 1, Q * heads / kv_heads, L]
+    (already tiled) -> [R, heads, Q, head_dim].
     """
     num_reqs, heads, query_len, head_dim = q.shape
     rows = q.reshape(num_reqs, k.shape[1], heads // k.shape[1] * query_len, head_dim)
-    if rows.device.type == "cpu":
-        o = _row_invariant_attention(rows, k, v, mask, scaling if scaling is not None else head_dim ** -0.5)
+    scale = scaling if scaling is not None else head_dim ** -0.5
+    if rows.device.type == "cpu" and _row_kernel_runs():
+        o = torch.ops.specserve.row_attention(rows, k, v, where.mask, scale)
+    elif rows.device.type == "cpu":
+        if where.blocked is None:  # the same in every layer of the step: made once
+            where.blocked = _blocked(where.mask)
+        o = _row_invariant_attention(rows, k, v, where.blocked, scale)
     else:
-        o = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scaling)
+        o = F.scaled_dot_product_attention(rows, k, v, attn_mask=where.mask, scale=scaling)
     return o.reshape(num_reqs, heads, query_len, head_dim)  # CUDA kernels may return other strides
 
 
-def _row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+@cache
+def _row_kernel_runs() -> bool:
+    """Whether CPU attention runs specserve's row kernel (engine/csrc/row_attention.cpp, AVX-512) rather than the
+    batched matmuls below: the same answer all process long, so every forward computes a row the same way."""
+    from engine.cpu_kernels import has_avx512
+
+    return has_avx512()
+
+
+def _blocked(mask: torch.Tensor) -> torch.Tensor:
+    """The CPU path's mask: True where a query may NOT look, rows padded to a multiple of ROW_MULTIPLE with rows
+    that see every key (zero queries: finite, dropped)."""
+    extra = -mask.shape[2] % ROW_MULTIPLE
+    return ~F.pad(mask, (0, 0, 0, extra), value=True) if extra else ~mask
+
+
+def _row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor, scaling: float) -> torch.Tensor:
     """softmax(q k^T * scale) v in plain batched matmuls (keys read where they lie, nothing copied), the softmax's sum
     a matmul as well; every row comes out bit for bit the same whatever the other rows, the padding keys and the
     masked keys between its own (see engine/attention_layout.py), which CPU SDPA's fused kernel does not give.
-    q [R, kv_heads, rows, d]; k, v [R, kv_heads, L, d]; mask [R, 1, rows, L]."""
+    q [R, kv_heads, rows, d]; k, v [R, kv_heads, L, d]; blocked [R, 1, padded rows, L] (`_blocked`)."""
     num_rows = q.shape[2]
-    extra = -num_rows % ROW_MULTIPLE
-    if extra:  # zero queries that see every key: finite, dropped
+    extra = blocked.shape[2] - num_rows
+    if extra:
         q = F.pad(q, (0, 0, 0, extra))
-        mask = F.pad(mask, (0, 0, 0, extra), value=True)
-    scores = _matmuls(q, k.transpose(2, 3)).mul_(scaling).masked_fill_(~mask, float("-inf"))
+    scores = _matmuls(q, k.transpose(2, 3)).mul_(scaling).masked_fill_(blocked, float("-inf"))
     weights = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
-    ones = q.new_ones(k.shape[1], k.shape[2], SUM_COLUMNS).expand(k.shape[0], -1, -1, -1)  # one request's, shared
-    total = _matmuls(weights, ones)[..., :1]
+    total = _matmuls(weights, _summing_ones(q, k.shape[1], k.shape[2]).expand(k.shape[0], -1, -1, -1))[..., :1]
     return _matmuls(weights, v).div_(total)[:, :, :num_rows]
+
+
+_ONES: dict[tuple, torch.Tensor] = {}
+
+
+def _summing_ones(like: torch.Tensor, kv_heads: int, num_keys: int) -> torch.Tensor:
+    """[kv_heads, num_keys, SUM_COLUMNS] ones (a view of one buffer kept per kind, grown as contexts grow)."""
+    key = (kv_heads, like.dtype, like.device)
+    ones = _ONES.get(key)
+    if ones is None or ones.shape[1] < num_keys:
+        ones = _ONES[key] = like.new_ones(kv_heads, max(num_keys, 2 * (ones.shape[1] if ones is not None else 1024)), SUM_COLUMNS)
+    return ones[:, :num_keys]
 
 
 def _matmuls(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -179,7 +211,7 @@ def _sdpa(packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: f
             group.scratch = keys.new_empty(2, group.block_table.numel(), group.block_size * keys.shape[1] * keys.shape[2])
         k = _gather_group(keys, group, group.scratch[0]).transpose(1, 2)
         v = _gather_group(values, group, group.scratch[1]).transpose(1, 2)
-        o = _attend_heads_as_rows(q, k, v, group.mask, scaling).transpose(1, 2)  # [R, Q, heads, head_dim]
+        o = _attend_heads_as_rows(q, k, v, group, scaling).transpose(1, 2)  # [R, Q, heads, head_dim]
         out[group.packed_index] = o.reshape(num_reqs * max_q, *o.shape[2:])[group.valid]
     for span in batch.spans:
         queries = slice(span.query_start, span.query_start + span.query_len)
@@ -187,7 +219,7 @@ def _sdpa(packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: f
         q = packed_query[queries].transpose(0, 1)[None]  # [1, heads, Q, head_dim]
         k = keys[positions].transpose(0, 1)[None]  # [1, kv_heads, L, head_dim], a view of the pool
         v = values[positions].transpose(0, 1)[None]
-        out[queries] = _attend_heads_as_rows(q, k, v, span.mask, scaling)[0].transpose(0, 1)
+        out[queries] = _attend_heads_as_rows(q, k, v, span, scaling)[0].transpose(0, 1)
 
 
 def _flash(packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float | None, out: torch.Tensor) -> None:

@@ -9,57 +9,23 @@ drafted tokens cost little more than decoding one. The served model is the one t
 (speculation is exact against plain decoding of it, tests/engine/test_w4a8.py), as close to the GGUF as llama.cpp's
 own CPU path, which rounds activations the same way.
 
-The kernel is compiled on first use for the host (a C++ compiler and ninja; ~1 min, once, cached under the user
-cache) and needs AVX512-VNNI: `available()` says whether it can run here, and `--weights auto` picks it only then.
+The kernel needs AVX512-VNNI and a C++ compiler to build it (engine/cpu_kernels.py): `available()` says whether it
+runs here, and `--weights auto` picks it only then.
 """
 from __future__ import annotations
-
-import hashlib
-import logging
-import os
-import sys
-from functools import cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger("specserve.engine")
-SOURCE = Path(__file__).parent / "csrc" / "w4a8_linear.cpp"
+from engine.cpu_kernels import has_vnni
+
 TILE = 16  # output channels per tile of the packed layout
 BLOCK = 32  # inputs per block
-# -fopenmp: at::parallel_for is a header template that splits the tiles over torch's OpenMP threads only when the
-# extension is compiled with OpenMP; it then links the libgomp.so.1 that torch has already loaded (same soname)
-CFLAGS = ("-O3", "-fopenmp")
-
-
-@cache
-def kernel():
-    """The compiled extension, or None where this host cannot build or run it (the reason is logged)."""
-    from torch.utils.cpp_extension import load
-
-    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # the venv's ninja
-    source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source + torch.__version__.encode() + repr(CFLAGS).encode()).hexdigest()[:12]
-    cache_root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    build_dir = cache_root / "specserve" / "kernels" / f"w4a8-{tag}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    if not any(build_dir.glob("*.so")):
-        logger.info("compiling the w4a8 kernel for this CPU into %s (once, about a minute)", build_dir)
-    try:
-        module = load(name="specserve_w4a8", sources=[str(SOURCE)], build_directory=str(build_dir),
-                      extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as error:  # no compiler, no ninja, or a failed build: the other weight modes still serve
-        logger.warning("the w4a8 kernel could not be built here (%s); --weights w4a8 is unavailable", error)
-        return None
-    if not module.supported():
-        logger.info("this CPU has no AVX512-VNNI: --weights w4a8 is unavailable")
-        return None
-    return module
 
 
 def available() -> bool:
-    return torch.backends.cpu.get_cpu_capability() == "AVX512" and kernel() is not None
+    """Whether the kernel (engine/cpu_kernels.py) builds and runs on this CPU."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and has_vnni()
 
 
 class W4A8Linear(torch.nn.Module):
@@ -68,7 +34,7 @@ class W4A8Linear(torch.nn.Module):
     def __init__(self, codes: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
                  out_features: int | None = None) -> None:
         super().__init__()
-        if kernel() is None:  # it registers torch.ops.specserve.w4a8_linear
+        if not has_vnni():  # loading the kernels registers torch.ops.specserve.w4a8_linear
             raise RuntimeError("--weights w4a8 needs a CPU with AVX512-VNNI and a C++ compiler to build its kernel")
         self.register_buffer("codes", codes)  # [N / 16, K / 32, 64 * bits] int8
         self.register_buffer("shift", shift)  # [N / 16, K / 32, 16] int32: 128 * sum of each block's codes

@@ -108,11 +108,9 @@ void tile(const int8_t* w, const int32_t* shift, const float* scale, const float
 
 }  // namespace
 
-bool supported() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni"); }
-
 // x [M, K] float32; codes [N / 16, K / 32, 32 * 16 * bits / 8] int8; shift [N / 16, K / 32, 16] int32;
 // scale, min [N / 16, K / 32, 16] float32 -> [M, N] float32.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& shift,
+torch::Tensor w4a8_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& shift,
                      const torch::Tensor& scale, const torch::Tensor& min, int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: [M, K] contiguous float32");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
@@ -146,13 +144,4 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& codes, const t
     }
   });
   return out;
-}
-
-// An operator of torch's own (torch.ops.specserve.w4a8_linear), so the profiler names its time.
-TORCH_LIBRARY(specserve, m) {
-  m.def("w4a8_linear(Tensor x, Tensor codes, Tensor shift, Tensor scale, Tensor minimum, int bits) -> Tensor", &linear);
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("supported", &supported, "whether this CPU has AVX512-VNNI");
 }

@@ -217,9 +217,10 @@ def test_a_forward_item_says_everything_as_plain_data():
     assert item.context_len == 1 and item.is_chain and item.num_tokens == 1
 
 
+@pytest.mark.parametrize("attention", ["row-kernel", "matmuls"])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("weights", ["bfloat16", "int8", "int4", w4a8_param()])
-def test_a_tokens_logits_are_bit_identical_whatever_forward_computes_it(tiny_model_dir, path, weights, monkeypatch):
+def test_a_tokens_logits_are_bit_identical_whatever_forward_computes_it(tiny_model_dir, path, weights, attention, monkeypatch):
     """Batch invariance: one prefill of the whole sequence, token-by-token decoding beside another request, chains of
     drafts, and a tree whose path runs between other branches give every position exactly the same logits, with
     contexts on both sides of the attention's key-padding steps (with bfloat16 activations a last-bit difference
@@ -227,6 +228,12 @@ def test_a_tokens_logits_are_bit_identical_whatever_forward_computes_it(tiny_mod
     product of few rows differently (there differences stay ~1e-5, within the near-tie rule)."""
     from engine.weights import apply_weights
 
+    import engine.paged_attention as paged_attention
+
+    if attention == "matmuls":  # the path of CPUs without AVX-512 (engine/csrc/row_attention.cpp needs it)
+        monkeypatch.setattr(paged_attention, "_row_kernel_runs", lambda: False)
+    elif not paged_attention._row_kernel_runs():
+        pytest.skip("the row attention kernel needs AVX-512 and a C++ compiler")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     apply_weights(model, weights)
     assert_batch_invariant(model, path, monkeypatch, vocab=40)
