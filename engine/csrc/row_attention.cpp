@@ -4,9 +4,9 @@
 // computes it (engine/attention_layout.py, batch invariance). One call replaces the dozen tensor operations and
 // three batched matmuls per layer of engine/paged_attention.py's matmul path.
 //
-// Per row: s_j = (q . k_j) * scale for the allowed keys j in order (each dot product: d / 16 fused multiply-adds
-// into one vector, a last partial vector masked, then its lanes summed by a fixed tree); m = max s; e_j = exp(s_j - m) (a vector polynomial,
-// the same for every lane); out = (sum_j e_j v_j) / (sum_j e_j), both sums in key order.
+// Per row: s_j = (q . k_j) * scale (the channels' products in 16 lanes, summed by a fixed tree), for the allowed keys j in
+// order: m = max s; e_j = exp(s_j - m) (a vector polynomial, the same for every lane); out = (sum_j e_j v_j) /
+// (sum_j e_j), the sums in a fixed association over the row's allowed keys in order (16 lanes; even and odd keys). Scores are computed for 16 keys at a time, their sums in one lane tree.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -36,47 +36,84 @@ __attribute__((target("avx512f"))) inline __m512 exp_nonpositive(__m512 x) {
 // The lanes of a head's channels c .. c + 15 that exist (all but in a last, partial vector).
 inline __mmask16 lanes(int64_t c, int64_t d) { return d - c >= LANES ? 0xFFFF : static_cast<__mmask16>((1u << (d - c)) - 1); }
 
-__attribute__((target("avx512f"))) inline float dot(const float* a, const float* b, int64_t d) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t c = 0; c < d; c += LANES) {
-    const __mmask16 m = lanes(c, d);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + c), _mm512_maskz_loadu_ps(m, b + c), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-}
-
 struct Strides {
   int64_t request, head, row;
 };
 
 Strides strides_of(const torch::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
-// One query row: QROW [d], keys and values of its (request, KV head) at KEYS/VALUES + j * key_stride, ALLOWED [L].
+// Sums of the lanes of 16 vectors, v[j]'s sum in lane j: four levels of pairwise adds (halves, quarters, pairs,
+// neighbours), the same tree for every vector whatever the others hold.
+__attribute__((target("avx512f"))) inline __m512 lane_sums(const __m512* v) {
+  __m512 halves[8], quarters[4], pairs[2];
+  for (int k = 0; k < 8; ++k) {  // [v_2k lanes l + l+8 | v_2k+1 lanes l + l+8], l < 8
+    halves[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44), _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  }
+  for (int k = 0; k < 4; ++k) {  // [v_4k | v_4k+1 | v_4k+2 | v_4k+3], 4 partial sums each
+    quarters[k] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * k], halves[2 * k + 1], 0x88),
+                                _mm512_shuffle_f32x4(halves[2 * k], halves[2 * k + 1], 0xDD));
+  }
+  for (int k = 0; k < 2; ++k) {  // in 128-bit lane q: two partial sums of v_8k+q and two of v_8k+q+4... of each pair
+    pairs[k] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * k], quarters[2 * k + 1], 0x44),
+                             _mm512_shuffle_ps(quarters[2 * k], quarters[2 * k + 1], 0xEE));
+  }
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88), _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD));
+  // lane 4q + p holds the sum of v[4p + q]: put v[j]'s sum in lane j
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+}
+
+// Scores of one query row against every key: S[j] = (q . k_j) * scale, each dot product the channels' products
+// in 16 lanes (fused multiply-adds over the head's vectors in order, a last partial vector masked) summed by
+// `lane_sums`: the same bits whichever rows and which block of 16 keys it is computed with.
+__attribute__((target("avx512f"))) void score_row(
+    const float* q, const float* keys, int64_t key_stride, int64_t num_keys, int64_t d, float scale, float* scores) {
+  for (int64_t j0 = 0; j0 < num_keys; j0 += LANES) {
+    __m512 acc[LANES];
+    for (int j = 0; j < LANES; ++j) {
+      acc[j] = _mm512_setzero_ps();
+      if (j0 + j >= num_keys) continue;
+      const float* key = keys + (j0 + j) * key_stride;
+      for (int64_t c = 0; c < d; c += LANES) {
+        const __mmask16 m = lanes(c, d);
+        acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + c), _mm512_maskz_loadu_ps(m, key + c), acc[j]);
+      }
+    }
+    _mm512_storeu_ps(scores + j0, _mm512_mul_ps(lane_sums(acc), _mm512_set1_ps(scale)));
+  }
+}
+
+// One row's softmax over the keys it may see (ALLOWED [L]) and its weighted sum of their values. SCORES [L] (whole
+// vectors past L) becomes scratch; INDEX [L] too.
 __attribute__((target("avx512f"))) void attend_row(
-    const float* qrow, const float* keys, const float* values, int64_t key_stride, int64_t value_stride,
-    const bool* allowed, int64_t num_keys, int64_t d, float scale, std::vector<float>& scores,
+    float* scores, const bool* allowed, int64_t num_keys, const float* values, int64_t value_stride, int64_t d,
     std::vector<int32_t>& index, float* out) {
   int64_t n = 0;
   for (int64_t j = 0; j < num_keys; ++j) {
     if (!allowed[j]) continue;
     index[n] = static_cast<int32_t>(j);
-    scores[n++] = dot(qrow, keys + j * key_stride, d) * scale;
+    scores[n++] = scores[j];  // compacted in key order: n <= j
   }
-  float m = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, scores[j]);
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n; j += LANES) vmax = _mm512_max_ps(vmax, _mm512_maskz_loadu_ps(lanes(j, n), &scores[j]));
+  const float m = _mm512_reduce_max_ps(vmax);  // a maximum: the same in any order
   const __m512 vm = _mm512_set1_ps(m);
-  for (int64_t j = 0; j < n; j += LANES) {  // the buffers hold whole vectors past n
-    _mm512_storeu_ps(&scores[j], exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(&scores[j]), vm)));
+  __m512 sums = _mm512_setzero_ps();  // the weights' sum in 16 lanes (weight j in lane j % 16), then one lane tree
+  for (int64_t j = 0; j < n; j += LANES) {  // the buffer holds whole vectors past n
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(&scores[j]), vm));
+    _mm512_storeu_ps(&scores[j], e);
+    sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(lanes(j, n), e));
   }
-  float total = 0.0f;
-  for (int64_t j = 0; j < n; ++j) total += scores[j];
-  for (int64_t c = 0; c < d; c += LANES) {
+  const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sums));
+  for (int64_t c = 0; c < d; c += LANES) {  // even and odd keys in two chains, added at the end
     const __mmask16 m = lanes(c, d);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, values + index[j] * value_stride + c), acc);
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 1 < n; j += 2) {
+      even = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, values + index[j] * value_stride + c), even);
+      odd = _mm512_fmadd_ps(_mm512_set1_ps(scores[j + 1]), _mm512_maskz_loadu_ps(m, values + index[j + 1] * value_stride + c), odd);
     }
-    _mm512_mask_storeu_ps(out + c, m, _mm512_div_ps(acc, _mm512_set1_ps(total)));
+    if (j < n) even = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, values + index[j] * value_stride + c), even);
+    _mm512_mask_storeu_ps(out + c, m, _mm512_div_ps(_mm512_add_ps(even, odd), total));
   }
 }
 
@@ -99,14 +136,16 @@ torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, cons
   const bool* mp = allowed.data_ptr<bool>();
   float* op = out.data_ptr<float>();
   const float scale = static_cast<float>(scaling);
+  const int64_t padded = (L + LANES - 1) / LANES * LANES + LANES;
   at::parallel_for(0, R * H * rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(L + LANES);
-    std::vector<int32_t> index(L + LANES);
+    std::vector<float> scores(padded);
+    std::vector<int32_t> index(padded);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / (H * rows), h = item / rows % H, i = item % rows;
-      attend_row(qp + r * qs.request + h * qs.head + i * qs.row, kp + r * ks.request + h * ks.head,
-                 vp + r * vs.request + h * vs.head, ks.row, vs.row, mp + (r * rows + i) * L, L, d, scale, scores,
-                 index, op + ((r * H + h) * rows + i) * d);
+      score_row(qp + r * qs.request + h * qs.head + i * qs.row, kp + r * ks.request + h * ks.head, ks.row, L, d, scale,
+                scores.data());
+      attend_row(scores.data(), mp + (r * rows + i) * L, L, vp + r * vs.request + h * vs.head, vs.row, d, index,
+                 op + ((r * H + h) * rows + i) * d);
     }
   });
   return out;
