@@ -65,25 +65,44 @@ __attribute__((target("avx512f"))) inline __m512 lane_sums(const __m512* v) {
 // Scores of one query row against every key: S[j] = (q . k_j) * scale, each dot product the channels' products
 // in 16 lanes (fused multiply-adds over the head's vectors in order, a last partial vector masked) summed by
 // `lane_sums`: the same bits whichever rows and which block of 16 keys it is computed with.
+template <int CHUNKS>  // the head's channels in vectors of 16; 0: any number, the last vector masked
 __attribute__((target("avx512f"))) void score_row(
     const float* q, const float* keys, int64_t key_stride, int64_t num_keys, int64_t d, float scale, float* scores) {
+  const int64_t chunks = CHUNKS ? CHUNKS : (d + LANES - 1) / LANES;
+  __m512 qv[CHUNKS ? CHUNKS : 1];
+  if constexpr (CHUNKS > 0) {
+    for (int c = 0; c < CHUNKS; ++c) qv[c] = _mm512_loadu_ps(q + c * LANES);
+  }
   for (int64_t j0 = 0; j0 < num_keys; j0 += LANES) {
     __m512 acc[LANES];
-    for (int j = 0; j < LANES; ++j) {
-      acc[j] = _mm512_setzero_ps();
-      if (j0 + j >= num_keys) continue;
+    const int present = static_cast<int>(std::min<int64_t>(LANES, num_keys - j0));
+    for (int j = 0; j < LANES; ++j) acc[j] = _mm512_setzero_ps();
+    for (int j = 0; j < present; ++j) {
       const float* key = keys + (j0 + j) * key_stride;
-      for (int64_t c = 0; c < d; c += LANES) {
-        const __mmask16 m = lanes(c, d);
-        acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + c), _mm512_maskz_loadu_ps(m, key + c), acc[j]);
+      for (int64_t c = 0; c < chunks; ++c) {
+        if constexpr (CHUNKS > 0) {
+          acc[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(key + c * LANES), acc[j]);
+        } else {
+          const __mmask16 m = lanes(c * LANES, d);
+          acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + c * LANES), _mm512_maskz_loadu_ps(m, key + c * LANES), acc[j]);
+        }
       }
     }
     _mm512_storeu_ps(scores + j0, _mm512_mul_ps(lane_sums(acc), _mm512_set1_ps(scale)));
   }
 }
 
+void score_any(const float* q, const float* keys, int64_t key_stride, int64_t num_keys, int64_t d, float scale, float* scores) {
+  switch (d) {
+    case 64: return score_row<4>(q, keys, key_stride, num_keys, d, scale, scores);
+    case 128: return score_row<8>(q, keys, key_stride, num_keys, d, scale, scores);
+    default: return score_row<0>(q, keys, key_stride, num_keys, d, scale, scores);
+  }
+}
+
 // One row's softmax over the keys it may see (ALLOWED [L]) and its weighted sum of their values. SCORES [L] (whole
 // vectors past L) becomes scratch; INDEX [L] too.
+template <int CHUNKS>
 __attribute__((target("avx512f"))) void attend_row(
     float* scores, const bool* allowed, int64_t num_keys, const float* values, int64_t value_stride, int64_t d,
     std::vector<int32_t>& index, float* out) {
@@ -104,6 +123,27 @@ __attribute__((target("avx512f"))) void attend_row(
     sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(lanes(j, n), e));
   }
   const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sums));
+  if constexpr (CHUNKS > 0) {  // one pass over the keys for every vector of the head
+    __m512 even[CHUNKS], odd[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) even[c] = odd[c] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 1 < n; j += 2) {
+      const __m512 we = _mm512_set1_ps(scores[j]), wo = _mm512_set1_ps(scores[j + 1]);
+      const float* ve = values + index[j] * value_stride;
+      const float* vo = values + index[j + 1] * value_stride;
+      for (int c = 0; c < CHUNKS; ++c) {
+        even[c] = _mm512_fmadd_ps(we, _mm512_loadu_ps(ve + c * LANES), even[c]);
+        odd[c] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(vo + c * LANES), odd[c]);
+      }
+    }
+    if (j < n) {
+      const __m512 we = _mm512_set1_ps(scores[j]);
+      const float* ve = values + index[j] * value_stride;
+      for (int c = 0; c < CHUNKS; ++c) even[c] = _mm512_fmadd_ps(we, _mm512_loadu_ps(ve + c * LANES), even[c]);
+    }
+    for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(out + c * LANES, _mm512_div_ps(_mm512_add_ps(even[c], odd[c]), total));
+    return;
+  }
   for (int64_t c = 0; c < d; c += LANES) {  // even and odd keys in two chains, added at the end
     const __mmask16 m = lanes(c, d);
     __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
@@ -114,6 +154,15 @@ __attribute__((target("avx512f"))) void attend_row(
     }
     if (j < n) even = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, values + index[j] * value_stride + c), even);
     _mm512_mask_storeu_ps(out + c, m, _mm512_div_ps(_mm512_add_ps(even, odd), total));
+  }
+}
+
+void attend_any(float* scores, const bool* allowed, int64_t num_keys, const float* values, int64_t value_stride, int64_t d,
+                std::vector<int32_t>& index, float* out) {
+  switch (d) {
+    case 64: return attend_row<4>(scores, allowed, num_keys, values, value_stride, d, index, out);
+    case 128: return attend_row<8>(scores, allowed, num_keys, values, value_stride, d, index, out);
+    default: return attend_row<0>(scores, allowed, num_keys, values, value_stride, d, index, out);
   }
 }
 
@@ -142,9 +191,9 @@ torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, cons
     std::vector<int32_t> index(padded);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / (H * rows), h = item / rows % H, i = item % rows;
-      score_row(qp + r * qs.request + h * qs.head + i * qs.row, kp + r * ks.request + h * ks.head, ks.row, L, d, scale,
+      score_any(qp + r * qs.request + h * qs.head + i * qs.row, kp + r * ks.request + h * ks.head, ks.row, L, d, scale,
                 scores.data());
-      attend_row(scores.data(), mp + (r * rows + i) * L, L, vp + r * vs.request + h * vs.head, vs.row, d, index,
+      attend_any(scores.data(), mp + (r * rows + i) * L, L, vp + r * vs.request + h * vs.head, vs.row, d, index,
                  op + ((r * H + h) * rows + i) * d);
     }
   });
