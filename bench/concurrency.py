@@ -289,9 +289,9 @@ def throughput_ratios(rows: list[dict]) -> list[dict]:
     """Per concurrency: each specserve drafter over specserve `none`, and each specserve drafter over each peer."""
     speed = {(r["concurrency"], r["server"], r["drafter"]): r["tokens_per_s"] for r in rows}
     drafters = list(dict.fromkeys(r["drafter"] for r in rows if r["server"] == "specserve"))
-    peers = list(dict.fromkeys(r["server"] for r in rows if r["server"] != "specserve"))
+    peers = list(dict.fromkeys((r["server"], r["drafter"]) for r in rows if r["server"] != "specserve"))
     pairs = [(("specserve", d), ("specserve", "none")) for d in drafters if d != "none"]
-    pairs += [(("specserve", d), (p, "none")) for p in peers for d in drafters]
+    pairs += [(("specserve", d), peer) for peer in peers for d in drafters]
     ratios = []
     for concurrency in dict.fromkeys(r["concurrency"] for r in rows):
         for top, bottom in pairs:

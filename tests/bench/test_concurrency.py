@@ -100,6 +100,7 @@ def test_ratios_per_concurrency():
     rows = [row(c, s, d, v) for c, s, d, v in [
         (1, "specserve", "none", 10.0), (1, "specserve", "copyspec", 15.0), (1, "transformers-serve", "none", 5.0),
         (16, "specserve", "none", 40.0), (16, "specserve", "copyspec", 80.0), (16, "transformers-serve", "none", 20.0),
+        (16, "llama-server-spec", "ngram-map-k", 50.0),  # a peer's own speculation: its row names the drafter
     ]]
     ratios = {(q["concurrency"], q["numerator"], q["denominator"]): q["ratio"] for q in throughput_ratios(rows)}
     assert ratios == {
@@ -109,6 +110,8 @@ def test_ratios_per_concurrency():
         (16, "specserve/copyspec", "specserve/none"): 2.0,
         (16, "specserve/none", "transformers-serve/none"): 2.0,
         (16, "specserve/copyspec", "transformers-serve/none"): 4.0,
+        (16, "specserve/none", "llama-server-spec/ngram-map-k"): 0.8,
+        (16, "specserve/copyspec", "llama-server-spec/ngram-map-k"): 1.6,
     }
 
 
