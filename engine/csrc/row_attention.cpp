@@ -4,9 +4,10 @@
 // computes it (engine/attention_layout.py, batch invariance). One call replaces the dozen tensor operations and
 // three batched matmuls per layer of engine/paged_attention.py's matmul path.
 //
-// Per row: s_j = (q . k_j) * scale (the channels' products in 16 lanes, summed by a fixed tree), for the allowed keys j in
-// order: m = max s; e_j = exp(s_j - m) (a vector polynomial, the same for every lane); out = (sum_j e_j v_j) /
-// (sum_j e_j), the sums in a fixed association over the row's allowed keys in order (16 lanes; even and odd keys). Scores are computed for 16 keys at a time, their sums in one lane tree.
+// Per row, for the allowed keys j in order: s_j = (q . k_j) * scale (the channels' products in 16 lanes, summed by
+// a fixed tree; 16 keys at a time); m = max s; e_j = exp(s_j - m) (a vector polynomial, the same for every lane);
+// out = (sum_j e_j v_j) / (sum_j e_j), each sum in a fixed association over the row's allowed keys in order (the
+// weights' sum in 16 lanes, the weighted values in an even and an odd chain).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -53,12 +54,12 @@ __attribute__((target("avx512f"))) inline __m512 lane_sums(const __m512* v) {
     quarters[k] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * k], halves[2 * k + 1], 0x88),
                                 _mm512_shuffle_f32x4(halves[2 * k], halves[2 * k + 1], 0xDD));
   }
-  for (int k = 0; k < 2; ++k) {  // in 128-bit lane q: two partial sums of v_8k+q and two of v_8k+q+4... of each pair
+  for (int k = 0; k < 2; ++k) {  // in 128-bit block b: two partial sums of v_8k+b, then two of v_8k+4+b
     pairs[k] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * k], quarters[2 * k + 1], 0x44),
                              _mm512_shuffle_ps(quarters[2 * k], quarters[2 * k + 1], 0xEE));
   }
   const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88), _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD));
-  // lane 4q + p holds the sum of v[4p + q]: put v[j]'s sum in lane j
+  // lane 4b + p holds the sum of v[4p + b]: put v[j]'s sum in lane j
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
 }
 

@@ -120,10 +120,12 @@ torch::Tensor w4a8_linear(const torch::Tensor& x, const torch::Tensor& codes, co
   auto qscales = torch::empty({M, blocks}, x.options());
   auto qsums = torch::empty({M, blocks}, x.options());
   const float* xp = x.data_ptr<float>();
-  for (int64_t row = 0; row < M; ++row) {
-    quantize_row(xp + row * K, K, qcodes.data_ptr<uint8_t>() + row * K, qscales.data_ptr<float>() + row * blocks,
-                 qsums.data_ptr<float>() + row * blocks);
-  }
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {  // each row alone: the same codes on any thread
+    for (int64_t row = begin; row < end; ++row) {
+      quantize_row(xp + row * K, K, qcodes.data_ptr<uint8_t>() + row * K, qscales.data_ptr<float>() + row * blocks,
+                   qsums.data_ptr<float>() + row * blocks);
+    }
+  });
   const Activations a{qcodes.data_ptr<uint8_t>(), qscales.data_ptr<float>(), qsums.data_ptr<float>(), K, blocks};
   auto out = torch::empty({M, tiles * TILE}, x.options());
   const int8_t* w = codes.data_ptr<int8_t>();
