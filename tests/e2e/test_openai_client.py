@@ -107,11 +107,13 @@ def test_openai_client_raises_typed_errors(client):
 
 
 def test_ignore_eos_generates_exactly_max_tokens(client):
-    question = [{"role": "user", "content": "What is the capital of France?"}]
-    short = chat(client, messages=question, max_tokens=40)
-    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 40
-    longer = chat(client, messages=question, max_tokens=40, extra_body={"ignore_eos": True})
-    assert longer.choices[0].finish_reason == "length" and longer.usage.completion_tokens == 40
+    """The answer stops by itself; with ignore_eos the same request runs past its end to exactly max_tokens."""
+    question = [{"role": "user", "content": "What is 2 + 2?"}]  # answered in a dozen tokens
+    short = chat(client, messages=question, max_tokens=200)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 200
+    limit = short.usage.completion_tokens + 10
+    longer = chat(client, messages=question, max_tokens=limit, extra_body={"ignore_eos": True})
+    assert longer.choices[0].finish_reason == "length" and longer.usage.completion_tokens == limit
 
 
 def test_metrics_count_what_the_server_did(server, client):
