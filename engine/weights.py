@@ -239,7 +239,7 @@ def _replacement(config, mode: str, linear: torch.nn.Linear, gguf_tensor, name: 
     if mode == "int8":
         return Int8Linear.from_weight(linear.weight), False
     if linear.out_features % INT4_CHANNEL_MULTIPLE or linear.in_features % GROUP_SIZE:
-        raise ValueError(f"--weights int4 needs layers of multiples of {INT4_CHANNEL_MULTIPLE} x {GROUP_SIZE}")
+        raise ValueError(f"--weights {mode} needs layers of multiples of {INT4_CHANNEL_MULTIPLE} x {GROUP_SIZE}")
     groups = None
     if gguf_tensor is not None:
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name)
