@@ -7,12 +7,16 @@ A sequence's keys are its KV indices 0 .. L-1 (cached, then new). Its new token 
 sees every cached key and, among the new ones, itself and its ancestors: all the
 tokens before it for a causal chain, its tree path for a tree.
 
-A tree is attended as the chains of its root-to-leaf paths (`tree_paths`): each path's
-keys are the cached ones followed by its own nodes' keys, in order, so that a node's
-attention is computed exactly as if its path had been drafted as a chain (masking the
-other branches' keys in place would move the path's terms along the keys, and a float32
-matmul's sum depends on where its terms sit: measured, about 1 row in 12 differed in its
-last bits). Each node is computed once, in the first path that holds it.
+Where attention skips masked keys (the CPU row kernel, engine/csrc/row_attention.cpp) a
+tree is attended in place: one sequence, its new tokens' keys where the block table puts
+them, each row masked to the cached keys and its ancestors; a row's allowed keys are then
+the same keys in the same order as in its path drafted as a chain, so it gets the same bits.
+Elsewhere a tree is attended as the chains of its root-to-leaf paths (`tree_paths`): each
+path's keys are the cached ones followed by its own nodes' keys, in order, so that a node's
+attention is computed exactly as if its path had been drafted as a chain (masking the other
+branches' keys in place would move the path's terms along the keys, and a float32 matmul's
+sum depends on where its terms sit: measured, about 1 row in 12 differed in its last bits).
+Each node is computed once, in the first path that holds it; every path re-reads the context.
 """
 from __future__ import annotations
 
@@ -65,7 +69,8 @@ class InPlaceSpan:
 
 @dataclass
 class GroupMember:
-    """One causal chain as the layout sees it (a tree is laid out as the chains of its paths, `tree_paths`)."""
+    """One sequence as the layout sees it: a causal chain, or a tree attended in place (ANCESTORS given); elsewhere
+    a tree is laid out as the chains of its paths, `tree_paths`."""
 
     query_start: int  # packed index of its first new token
     query_len: int
@@ -73,6 +78,7 @@ class GroupMember:
     block_table: list[int]
     query_rows: list[int] | None = None  # packed indices of its queries when they are not query_start onwards
     tail_slots: list[int] | None = None  # pool slots of its last keys when they are not where the block table says
+    ancestors: torch.Tensor | None = None  # a tree attended in place: [n, n] ancestor_matrix of its new tokens
 
 
 def tree_paths(member: GroupMember, parents: list[int], slots: list[int]) -> list[GroupMember]:
@@ -139,7 +145,8 @@ def _chain_masks(members: list[GroupMember], max_q: int, max_len: int) -> torch.
 
 
 def build_group(members: list[GroupMember], block_size: int, heads_per_kv_head: int, device: torch.device) -> AttentionGroup:
-    """The padded attention call of R chains: chain r's queries are its last query_len of context_len keys."""
+    """The padded attention call of R sequences: sequence r's queries are its last query_len of context_len keys,
+    causal for a chain, each row to its ancestors for a tree in place."""
     max_q = max(m.query_len for m in members)
     max_len = padded_key_len(max(m.context_len for m in members))
     offsets = torch.arange(max_q)
@@ -151,6 +158,9 @@ def build_group(members: list[GroupMember], block_size: int, heads_per_kv_head: 
     tables = [m.block_table[:max_blocks] for m in members]
     table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])  # [R, max_blocks]
     masks = _chain_masks(members, max_q, max_len)
+    for r, member in enumerate(members):
+        if member.ancestors is not None:
+            masks[r] = query_mask(member, max_q, max_len, member.ancestors)
     mask = _tile_mask(masks[:, None], heads_per_kv_head).to(device)
     group = AttentionGroup(
         query_index.to(device), table.to(device), block_size, max_len, mask,
@@ -176,7 +186,7 @@ def in_place_span(member: GroupMember, first_slot: int, heads_per_kv_head: int, 
     """The span of a sequence whose keys lie in consecutive slots from FIRST_SLOT on (the padding keys after them,
     whatever they hold, are masked)."""
     num_keys = padded_key_len(member.context_len)
-    mask = query_mask(member, member.query_len, num_keys)[None, None]
+    mask = query_mask(member, member.query_len, num_keys, member.ancestors)[None, None]
     mask = _tile_mask(mask, heads_per_kv_head).to(device)
     return InPlaceSpan(member.query_start, member.query_len, first_slot, num_keys, mask)
 

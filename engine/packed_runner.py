@@ -14,7 +14,9 @@ from engine.attention_layout import (
 )
 from engine.decoder import LeanDecoder, supports
 from engine.forward import ForwardBatch, ForwardItem, ForwardOutput
-from engine.paged_attention import ATTENTION_NAME, MAX_GROUPED_QUERY_LEN, AttentionCapture, PackedBatch, PagedKVPool
+from engine.paged_attention import (
+    ATTENTION_NAME, MAX_GROUPED_QUERY_LEN, AttentionCapture, PackedBatch, PagedKVPool, attends_trees_in_place,
+)
 
 # A long prefill chunk whose context is at least this long is read in place when its slots are contiguous, and so is
 # a short run (decoding, verifying drafts) when it is the step's only one. Short runs of several requests are gathered
@@ -67,13 +69,20 @@ class PackedModelRunner:
     # --- attention layout ------------------------------------------------------------------
     def _lay_out(self, packed: PackedBatch, items: list[ForwardItem], members: list[GroupMember]) -> None:
         chains = [i for i, item in enumerate(items) if item.is_chain]
+        trees = [i for i, item in enumerate(items) if not item.is_chain]
         if self.backend == "flash" and chains:
             packed.flash = self._flash_metadata([members[i] for i in chains])
             chains = []  # trees: SDPA, in the same step
-        gathered = [path for i, item in enumerate(items) if not item.is_chain
-                    for path in tree_paths(members[i], item.parents, item.slots)]  # see attention_layout.py
-        short = [members[i] for i in chains if members[i].query_len <= MAX_GROUPED_QUERY_LEN]
-        long = [members[i] for i in chains if members[i].query_len > MAX_GROUPED_QUERY_LEN]
+        gathered = []
+        if attends_trees_in_place(self.device):  # a tree is one sequence, masked to its ancestors
+            for i in trees:
+                members[i].ancestors = ancestor_matrix(items[i].parents)
+        else:  # a tree is the chains of its paths, gathered (attention_layout.py)
+            gathered = [path for i in trees for path in tree_paths(members[i], items[i].parents, items[i].slots)]
+            trees = []
+        sequences = [members[i] for i in chains + trees]
+        short = [m for m in sequences if m.query_len <= MAX_GROUPED_QUERY_LEN]
+        long = [m for m in sequences if m.query_len > MAX_GROUPED_QUERY_LEN]
         if len(short) == 1 and not gathered:  # one sequence decoding or verifying: no call to share
             long, short = long + short, []
         gathered += short

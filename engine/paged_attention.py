@@ -155,6 +155,12 @@ def _row_kernel_runs() -> bool:
     return has_avx512()
 
 
+def attends_trees_in_place(device: torch.device) -> bool:
+    """Whether attention on DEVICE skips masked keys, so that a tree can be attended in place with each row's bits
+    those of its path drafted as a chain (engine/attention_layout.py)."""
+    return device.type == "cpu" and _row_kernel_runs()
+
+
 def _blocked(mask: torch.Tensor) -> torch.Tensor:
     """The CPU path's mask: True where a query may NOT look, rows padded to a multiple of ROW_MULTIPLE with rows
     that see every key (zero queries: finite, dropped)."""
