@@ -136,7 +136,7 @@ def _attend_heads_as_rows(
     rows = q.reshape(num_reqs, k.shape[1], heads // k.shape[1] * query_len, head_dim)
     scale = scaling if scaling is not None else head_dim ** -0.5
     if rows.device.type == "cpu" and _row_kernel_runs():
-        o = torch.ops.specserve.row_attention(rows, k, v, where.mask, scale)
+        o = torch.ops.specserve.row_attention(rows, k, v, where.mask, scale, heads // k.shape[1])
     elif rows.device.type == "cpu":
         if where.blocked is None:  # the same in every layer of the step: made once
             where.blocked = _blocked(where.mask)

@@ -6,7 +6,7 @@
 torch::Tensor w4a8_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& shift,
                           const torch::Tensor& scale, const torch::Tensor& min, int64_t bits);
 torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const torch::Tensor& mask, double scaling);
+                            const torch::Tensor& mask, double scaling, int64_t heads_per_kv_head);
 
 bool has_avx512() { return __builtin_cpu_supports("avx512f"); }
 
@@ -14,7 +14,7 @@ bool has_vnni() { return has_avx512() && __builtin_cpu_supports("avx512bw") && _
 
 TORCH_LIBRARY(specserve, m) {
   m.def("w4a8_linear(Tensor x, Tensor codes, Tensor shift, Tensor scale, Tensor minimum, int bits) -> Tensor", &w4a8_linear);
-  m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scaling) -> Tensor", &row_attention);
+  m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scaling, int heads_per_kv_head) -> Tensor", &row_attention);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -16,6 +16,7 @@
 namespace {
 
 constexpr int LANES = 16;
+constexpr int MAX_GROUP = 4;  // query rows sharing a mask computed together (they share key and value loads)
 
 // exp(x) for x <= 0: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, scaled by 2^n. Inputs below
 // -87 give exp(-87) (~1e-38): weights that vanish beside the row's largest, which is 1.
@@ -63,140 +64,237 @@ __attribute__((target("avx512f"))) inline __m512 lane_sums(const __m512* v) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
 }
 
-// Scores of one query row against every key: S[j] = (q . k_j) * scale, each dot product the channels' products
-// in 16 lanes (fused multiply-adds over the head's vectors in order, a last partial vector masked) summed by
-// `lane_sums`: the same bits whichever rows and which block of 16 keys it is computed with.
-template <int CHUNKS>  // the head's channels in vectors of 16; 0: any number, the last vector masked
-__attribute__((target("avx512f"))) void score_row(
-    const float* q, const float* keys, int64_t key_stride, int64_t num_keys, int64_t d, float scale, float* scores) {
+// Scores of N query rows (the heads of one KV head at one query position) against every key: S[n][j] =
+// (q_n . k_j) * scale, each dot product the channels' products in 16 lanes (fused multiply-adds over the head's
+// vectors in order, a last partial vector masked) summed by `lane_sums`: the same bits whichever rows and which
+// block of 16 keys it is computed with. Keys 16 at a time, each block scored for every row while it is in L1.
+template <int CHUNKS, int N>  // CHUNKS: the head's channels in vectors of 16; 0: any number, the last vector masked
+__attribute__((target("avx512f"))) void score_rows(
+    const float* const* q, const float* const* keys, int64_t num_keys, int64_t d, float scale,
+    float* const* scores) {
   const int64_t chunks = CHUNKS ? CHUNKS : (d + LANES - 1) / LANES;
-  __m512 qv[CHUNKS ? CHUNKS : 1];
-  if constexpr (CHUNKS > 0) {
-    for (int c = 0; c < CHUNKS; ++c) qv[c] = _mm512_loadu_ps(q + c * LANES);
-  }
   for (int64_t j0 = 0; j0 < num_keys; j0 += LANES) {
-    __m512 acc[LANES];
     const int present = static_cast<int>(std::min<int64_t>(LANES, num_keys - j0));
-    for (int j = 0; j < LANES; ++j) acc[j] = _mm512_setzero_ps();
-    for (int j = 0; j < present; ++j) {
-      const float* key = keys + (j0 + j) * key_stride;
-      for (int64_t c = 0; c < chunks; ++c) {
-        if constexpr (CHUNKS > 0) {
-          acc[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(key + c * LANES), acc[j]);
-        } else {
-          const __mmask16 m = lanes(c * LANES, d);
-          acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + c * LANES), _mm512_maskz_loadu_ps(m, key + c * LANES), acc[j]);
+    for (int n = 0; n < N; ++n) {
+      __m512 acc[LANES];
+      for (int j = present; j < LANES; ++j) acc[j] = _mm512_setzero_ps();
+      if constexpr (CHUNKS > 0) {
+        __m512 qv[CHUNKS];
+        for (int c = 0; c < CHUNKS; ++c) qv[c] = _mm512_loadu_ps(q[n] + c * LANES);
+        for (int j = 0; j < present; ++j) {
+          const float* key = keys[j0 + j];
+          __m512 a = _mm512_setzero_ps();
+          for (int c = 0; c < CHUNKS; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(key + c * LANES), a);
+          acc[j] = a;
+        }
+      } else {
+        for (int j = 0; j < present; ++j) {
+          const float* key = keys[j0 + j];
+          __m512 a = _mm512_setzero_ps();
+          for (int64_t c = 0; c < chunks; ++c) {
+            const __mmask16 m = lanes(c * LANES, d);
+            a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q[n] + c * LANES), _mm512_maskz_loadu_ps(m, key + c * LANES), a);
+          }
+          acc[j] = a;
         }
       }
+      _mm512_storeu_ps(scores[n] + j0, _mm512_mul_ps(lane_sums(acc), _mm512_set1_ps(scale)));
     }
-    _mm512_storeu_ps(scores + j0, _mm512_mul_ps(lane_sums(acc), _mm512_set1_ps(scale)));
   }
 }
 
-void score_any(const float* q, const float* keys, int64_t key_stride, int64_t num_keys, int64_t d, float scale, float* scores) {
-  switch (d) {
-    case 64: return score_row<4>(q, keys, key_stride, num_keys, d, scale, scores);
-    case 128: return score_row<8>(q, keys, key_stride, num_keys, d, scale, scores);
-    default: return score_row<0>(q, keys, key_stride, num_keys, d, scale, scores);
-  }
-}
-
-// One row's softmax over the keys it may see (ALLOWED [L]) and its weighted sum of their values. SCORES [L] (whole
-// vectors past L) becomes scratch; INDEX [L] too.
-template <int CHUNKS>
-__attribute__((target("avx512f"))) void attend_row(
-    float* scores, const bool* allowed, int64_t num_keys, const float* values, int64_t value_stride, int64_t d,
-    std::vector<int32_t>& index, float* out) {
-  int64_t n = 0;
-  for (int64_t j = 0; j < num_keys; ++j) {
-    if (!allowed[j]) continue;
-    index[n] = static_cast<int32_t>(j);
-    scores[n++] = scores[j];  // compacted in key order: n <= j
+// One row's softmax over the N_ALLOWED keys it may see (INDEX: their keys, in order), in place in SCORES: the
+// allowed scores compacted in key order, exp(s - max) in their place; returns the weights' sum (16 lanes, weight
+// j in lane j % 16, then one lane tree).
+__attribute__((target("avx512f"))) float softmax_weights(float* scores, const std::vector<int32_t>& index, int64_t n_allowed) {
+  const int64_t n = n_allowed;
+  if (n > 0 && index[n - 1] != n - 1) {  // else the allowed keys are a prefix (a causal row): nothing moves
+    for (int64_t j = 0; j < n; ++j) scores[j] = scores[index[j]];  // j <= index[j]: in place, in order
   }
   __m512 vmax = _mm512_set1_ps(-INFINITY);
   for (int64_t j = 0; j < n; j += LANES) vmax = _mm512_max_ps(vmax, _mm512_maskz_loadu_ps(lanes(j, n), &scores[j]));
-  const float m = _mm512_reduce_max_ps(vmax);  // a maximum: the same in any order
-  const __m512 vm = _mm512_set1_ps(m);
-  __m512 sums = _mm512_setzero_ps();  // the weights' sum in 16 lanes (weight j in lane j % 16), then one lane tree
+  const __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));  // a maximum: the same in any order
+  __m512 sums = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += LANES) {  // the buffer holds whole vectors past n
     const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(&scores[j]), vm));
     _mm512_storeu_ps(&scores[j], e);
     sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(lanes(j, n), e));
   }
-  const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sums));
-  if constexpr (CHUNKS > 0) {  // one pass over the keys for every vector of the head
-    __m512 even[CHUNKS], odd[CHUNKS];
-    for (int c = 0; c < CHUNKS; ++c) even[c] = odd[c] = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 1 < n; j += 2) {
-      const __m512 we = _mm512_set1_ps(scores[j]), wo = _mm512_set1_ps(scores[j + 1]);
-      const float* ve = values + index[j] * value_stride;
-      const float* vo = values + index[j + 1] * value_stride;
-      for (int c = 0; c < CHUNKS; ++c) {
-        even[c] = _mm512_fmadd_ps(we, _mm512_loadu_ps(ve + c * LANES), even[c]);
-        odd[c] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(vo + c * LANES), odd[c]);
+  return _mm512_reduce_add_ps(sums);
+}
+
+// N rows' weighted sums of the values of their N allowed keys (INDEX): per row and vector of the head, even and
+// odd keys in two chains added at the end, divided by the row's weight sum. Keys VALUE_BLOCK at a time, each
+// block weighed for every row while its values are in L1 (the chains carried from block to block).
+constexpr int VALUE_BLOCK = 32;  // even
+
+template <int CHUNKS, int N>
+__attribute__((target("avx512f"))) void weigh_values(
+    float* const* weights, const float* totals, const std::vector<int32_t>& index, int64_t n, const float* const* values, int64_t d, float* const* out) {
+  if constexpr (CHUNKS > 0) {
+    __m512 even[N][CHUNKS], odd[N][CHUNKS];
+    for (int r = 0; r < N; ++r)
+      for (int c = 0; c < CHUNKS; ++c) even[r][c] = odd[r][c] = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < n; j0 += VALUE_BLOCK) {
+      const int64_t stop = std::min<int64_t>(n, j0 + VALUE_BLOCK);
+      for (int r = 0; r < N; ++r) {
+        __m512 e[CHUNKS], o[CHUNKS];
+        for (int c = 0; c < CHUNKS; ++c) e[c] = even[r][c], o[c] = odd[r][c];
+        int64_t j = j0;
+        for (; j + 1 < stop; j += 2) {
+          const __m512 we = _mm512_set1_ps(weights[r][j]), wo = _mm512_set1_ps(weights[r][j + 1]);
+          const float* ve = values[index[j]];
+          const float* vo = values[index[j + 1]];
+          for (int c = 0; c < CHUNKS; ++c) {
+            e[c] = _mm512_fmadd_ps(we, _mm512_loadu_ps(ve + c * LANES), e[c]);
+            o[c] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(vo + c * LANES), o[c]);
+          }
+        }
+        if (j < stop) {  // the last key of an odd count
+          const __m512 we = _mm512_set1_ps(weights[r][j]);
+          const float* ve = values[index[j]];
+          for (int c = 0; c < CHUNKS; ++c) e[c] = _mm512_fmadd_ps(we, _mm512_loadu_ps(ve + c * LANES), e[c]);
+        }
+        for (int c = 0; c < CHUNKS; ++c) even[r][c] = e[c], odd[r][c] = o[c];
       }
     }
-    if (j < n) {
-      const __m512 we = _mm512_set1_ps(scores[j]);
-      const float* ve = values + index[j] * value_stride;
-      for (int c = 0; c < CHUNKS; ++c) even[c] = _mm512_fmadd_ps(we, _mm512_loadu_ps(ve + c * LANES), even[c]);
+    for (int r = 0; r < N; ++r) {
+      const __m512 total = _mm512_set1_ps(totals[r]);
+      for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(out[r] + c * LANES, _mm512_div_ps(_mm512_add_ps(even[r][c], odd[r][c]), total));
     }
-    for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(out + c * LANES, _mm512_div_ps(_mm512_add_ps(even[c], odd[c]), total));
     return;
   }
-  for (int64_t c = 0; c < d; c += LANES) {  // even and odd keys in two chains, added at the end
-    const __mmask16 m = lanes(c, d);
-    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 1 < n; j += 2) {
-      even = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, values + index[j] * value_stride + c), even);
-      odd = _mm512_fmadd_ps(_mm512_set1_ps(scores[j + 1]), _mm512_maskz_loadu_ps(m, values + index[j + 1] * value_stride + c), odd);
+  for (int r = 0; r < N; ++r) {  // any head size: row by row, vector by vector
+    for (int64_t c = 0; c < d; c += LANES) {
+      const __mmask16 m = lanes(c, d);
+      __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+      int64_t j = 0;
+      for (; j + 1 < n; j += 2) {
+        even = _mm512_fmadd_ps(_mm512_set1_ps(weights[r][j]), _mm512_maskz_loadu_ps(m, values[index[j]] + c), even);
+        odd = _mm512_fmadd_ps(_mm512_set1_ps(weights[r][j + 1]), _mm512_maskz_loadu_ps(m, values[index[j + 1]] + c), odd);
+      }
+      if (j < n) even = _mm512_fmadd_ps(_mm512_set1_ps(weights[r][j]), _mm512_maskz_loadu_ps(m, values[index[j]] + c), even);
+      _mm512_mask_storeu_ps(out[r] + c, m, _mm512_div_ps(_mm512_add_ps(even, odd), _mm512_set1_ps(totals[r])));
     }
-    if (j < n) even = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, values + index[j] * value_stride + c), even);
-    _mm512_mask_storeu_ps(out + c, m, _mm512_div_ps(_mm512_add_ps(even, odd), total));
   }
 }
 
-void attend_any(float* scores, const bool* allowed, int64_t num_keys, const float* values, int64_t value_stride, int64_t d,
-                std::vector<int32_t>& index, float* out) {
-  switch (d) {
-    case 64: return attend_row<4>(scores, allowed, num_keys, values, value_stride, d, index, out);
-    case 128: return attend_row<8>(scores, allowed, num_keys, values, value_stride, d, index, out);
-    default: return attend_row<0>(scores, allowed, num_keys, values, value_stride, d, index, out);
+// Attention of N rows sharing one mask row (ALLOWED [L]): scores, softmax, weighted values. SCORES[n] [padded]
+// and INDEX [padded] are scratch.
+template <int CHUNKS, int N>
+void attend_rows(const float* const* q, const float* const* keys, const float* const* values,
+                 const bool* allowed, int64_t num_keys, int64_t d, float scale, float* const* scores,
+                 std::vector<int32_t>& index, float* const* out) {
+  score_rows<CHUNKS, N>(q, keys, num_keys, d, scale, scores);
+  int64_t n = 0;
+  for (int64_t j = 0; j < num_keys; ++j) {
+    if (allowed[j]) index[n++] = static_cast<int32_t>(j);
   }
+  float totals[N];
+  for (int r = 0; r < N; ++r) totals[r] = softmax_weights(scores[r], index, n);
+  weigh_values<CHUNKS, N>(scores, totals, index, n, values, d, out);
+}
+
+template <int N>
+void attend_rows_any(const float* const* q, const float* const* keys, const float* const* values, const bool* allowed, int64_t num_keys, int64_t d, float scale,
+                     float* const* scores, std::vector<int32_t>& index, float* const* out) {
+  switch (d) {
+    case 64: return attend_rows<4, N>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
+    case 128: return attend_rows<8, N>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
+    default: return attend_rows<0, N>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
+  }
+}
+
+// Up to MAX_GROUP rows that share a mask row at once.
+void attend_group(int group, const float* const* q, const float* const* keys, const float* const* values,
+                  const bool* allowed, int64_t num_keys, int64_t d, float scale,
+                  float* const* scores, std::vector<int32_t>& index, float* const* out) {
+  switch (group) {
+    case 1: return attend_rows_any<1>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
+    case 2: return attend_rows_any<2>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
+    case 3: return attend_rows_any<3>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
+    default: return attend_rows_any<4>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
+  }
+}
+
+// Where the keys and values of KV head h of sequence r lie: row j at K + r * ks.request + h * ks.head + j * ks.row.
+struct StridedKeys {
+  const float *k, *v;
+  Strides ks, vs;
+  void rows(int64_t r, int64_t h, int64_t num_keys, const float** keys, const float** values) const {
+    for (int64_t j = 0; j < num_keys; ++j) {
+      keys[j] = k + r * ks.request + h * ks.head + j * ks.row;
+      values[j] = v + r * vs.request + h * vs.head + j * vs.row;
+    }
+  }
+};
+
+// The number of keys a mask row needs scored: up to its last allowed key.
+int64_t keys_needed(const bool* allowed, int64_t num_keys) {
+  int64_t last = num_keys;
+  while (last > 0 && !allowed[last - 1]) --last;
+  return last;
+}
+
+// q [R, H, G * Q, d] (G query heads per KV head, head-major: row g * Q + i is head g at query i); mask [R, 1,
+// G * Q or Q, L] bool, True where query i may look (rows i < Q read: the G heads of a query share its mask; each
+// query sees at least one key) -> [R, H, G * Q, d]. The G rows of a query are computed together, MAX_GROUP at a
+// time, each as if alone; only the keys up to a query's last allowed one are scored.
+torch::Tensor attend_all(const torch::Tensor& q, const StridedKeys& layout, const torch::Tensor& mask, double scaling,
+                         int64_t heads_per_kv_head) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.stride(3) == 1, "q: float32, the head dimension contiguous");
+  const int64_t R = q.size(0), H = q.size(1), rows = q.size(2), d = q.size(3), L = mask.size(3), G = heads_per_kv_head;
+  TORCH_CHECK(G >= 1 && rows % G == 0, "rows (", rows, ") must be a multiple of heads_per_kv_head (", G, ")");
+  const int64_t Q = rows / G;
+  const auto allowed = mask.contiguous();
+  TORCH_CHECK(allowed.size(0) == R && allowed.size(2) >= Q, "the mask must have a row per query");
+  auto out = torch::empty({R, H, rows, d}, q.options());
+  const Strides qs = strides_of(q);
+  const float* qp = q.data_ptr<float>();
+  const bool* mp = allowed.data_ptr<bool>();
+  const int64_t mask_rows = allowed.size(2);
+  float* op = out.data_ptr<float>();
+  const float scale = static_cast<float>(scaling);
+  const int64_t padded = (L + LANES - 1) / LANES * LANES + LANES;
+  at::parallel_for(0, R * H * Q, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffers(MAX_GROUP * padded);
+    std::vector<int32_t> index(padded);
+    std::vector<const float*> keys(L), values(L);
+    float* scores[MAX_GROUP];
+    for (int n = 0; n < MAX_GROUP; ++n) scores[n] = buffers.data() + n * padded;
+    int64_t laid_out = -1;  // the (r, h) whose rows KEYS and VALUES hold
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / (H * Q), h = item / Q % H, i = item % Q;
+      if (laid_out != r * H + h) {
+        layout.rows(r, h, L, keys.data(), values.data());
+        laid_out = r * H + h;
+      }
+      const bool* row_mask = mp + (r * mask_rows + i) * L;
+      const int64_t num_keys = keys_needed(row_mask, L);
+      for (int64_t g0 = 0; g0 < G; g0 += MAX_GROUP) {
+        const int group = static_cast<int>(std::min<int64_t>(MAX_GROUP, G - g0));
+        const float* qrows[MAX_GROUP];
+        float* orows[MAX_GROUP];
+        for (int n = 0; n < group; ++n) {
+          const int64_t row = (g0 + n) * Q + i;
+          qrows[n] = qp + r * qs.request + h * qs.head + row * qs.row;
+          orows[n] = op + ((r * H + h) * rows + row) * d;
+        }
+        attend_group(group, qrows, keys.data(), values.data(), row_mask, num_keys, d, scale, scores, index, orows);
+      }
+    }
+  });
+  return out;
 }
 
 }  // namespace
 
-// q [R, H, rows, d]; k, v [R, H, L, d] (last dimension contiguous, any other strides: views of the pool);
-// mask [R, 1, rows, L] bool, True where a query may look (each row sees at least one key) -> [R, H, rows, d].
+// Keys and values as strided views: k, v [R, H, L, d] (the last dimension contiguous).
 torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const torch::Tensor& mask, double scaling) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
-              "row_attention takes float32");
-  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "the head dimension must be contiguous");
-  const int64_t R = q.size(0), H = q.size(1), rows = q.size(2), d = q.size(3), L = k.size(2);
-  const auto allowed = mask.contiguous();
-  auto out = torch::empty({R, H, rows, d}, q.options());
-  const Strides qs = strides_of(q), ks = strides_of(k), vs = strides_of(v);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const bool* mp = allowed.data_ptr<bool>();
-  float* op = out.data_ptr<float>();
-  const float scale = static_cast<float>(scaling);
-  const int64_t padded = (L + LANES - 1) / LANES * LANES + LANES;
-  at::parallel_for(0, R * H * rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(padded);
-    std::vector<int32_t> index(padded);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / (H * rows), h = item / rows % H, i = item % rows;
-      score_any(qp + r * qs.request + h * qs.head + i * qs.row, kp + r * ks.request + h * ks.head, ks.row, L, d, scale,
-                scores.data());
-      attend_any(scores.data(), mp + (r * rows + i) * L, L, vp + r * vs.request + h * vs.head, vs.row, d, index,
-                 op + ((r * H + h) * rows + i) * d);
-    }
-  });
-  return out;
+                            const torch::Tensor& mask, double scaling, int64_t heads_per_kv_head) {
+  TORCH_CHECK(k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32, "row_attention takes float32");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && mask.size(3) == k.size(2), "k, v: [R, H, L, d], d contiguous");
+  StridedKeys layout;
+  layout.k = k.data_ptr<float>(), layout.v = v.data_ptr<float>(), layout.ks = strides_of(k), layout.vs = strides_of(v);
+  return attend_all(q, layout, mask, scaling, heads_per_kv_head);
 }

@@ -8,8 +8,8 @@ from engine.cpu_kernels import has_avx512
 pytestmark = pytest.mark.skipif(not has_avx512(), reason="the row attention kernel needs AVX-512 and a C++ compiler")
 
 
-def attend(q, k, v, mask, scale=0.125):
-    return torch.ops.specserve.row_attention(q, k, v, mask, scale)
+def attend(q, k, v, mask, scale=0.125, heads_per_kv_head=1):
+    return torch.ops.specserve.row_attention(q, k, v, mask, scale, heads_per_kv_head)
 
 
 def pool_views(num_keys: int, kv_heads: int, head_dim: int, seed: int):
@@ -47,3 +47,18 @@ def test_a_rows_output_ignores_the_other_rows_and_the_keys_it_may_not_see():
     moved_k[:, :, seen + 1], moved_v[:, :, seen + 1] = k[:, :, seen], v[:, :, seen]
     spread[..., seen + 1] = True
     assert torch.equal(attend(q[:, :, :1], moved_k, moved_v, spread), whole[:, :, :1])
+
+
+@pytest.mark.parametrize("head_dim,heads_per_kv_head", [(64, 3), (128, 8), (40, 3)])
+def test_the_heads_of_a_query_computed_together_get_the_bits_each_gets_alone(head_dim, heads_per_kv_head):
+    """The G query heads of a KV head at one query share a mask row and are computed together (up to 4 at a time,
+    sharing key and value loads); each gets exactly what it gets computed as a row of its own."""
+    num_queries = 5
+    k, v = pool_views(300, kv_heads=2, head_dim=head_dim, seed=5)
+    generator = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 2, heads_per_kv_head * num_queries, head_dim, generator=generator)
+    mask = torch.rand(1, 1, num_queries, 300, generator=generator) > 0.3
+    tiled = mask.repeat(1, 1, heads_per_kv_head, 1)  # row g * Q + i: head g at query i
+    alone = attend(q, k, v, tiled)
+    assert torch.equal(attend(q, k, v, tiled, heads_per_kv_head=heads_per_kv_head), alone)
+    assert torch.equal(attend(q, k, v, mask, heads_per_kv_head=heads_per_kv_head), alone)  # one mask row per query
