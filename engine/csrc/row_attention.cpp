@@ -7,7 +7,9 @@
 // Per row, for the allowed keys j in order: s_j = (q . k_j) * scale (the channels' products in 16 lanes, summed by
 // a fixed tree; 16 keys at a time); m = max s; e_j = exp(s_j - m) (a vector polynomial, the same for every lane);
 // out = (sum_j e_j v_j) / (sum_j e_j), each sum in a fixed association over the row's allowed keys in order (the
-// weights' sum in 16 lanes, the weighted values in an even and an odd chain).
+// weights' sum in 16 lanes, the weighted values in an even and an odd chain). The query heads that share a KV head
+// are computed together at each query (they share its mask): a block of keys is scored, and a block of values
+// weighed, for all of them while it is in L1, each head's arithmetic exactly that of a row alone.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -103,11 +105,10 @@ __attribute__((target("avx512f"))) void score_rows(
   }
 }
 
-// One row's softmax over the N_ALLOWED keys it may see (INDEX: their keys, in order), in place in SCORES: the
+// One row's softmax over the N keys it may see (INDEX: their keys, in order), in place in SCORES: the
 // allowed scores compacted in key order, exp(s - max) in their place; returns the weights' sum (16 lanes, weight
 // j in lane j % 16, then one lane tree).
-__attribute__((target("avx512f"))) float softmax_weights(float* scores, const std::vector<int32_t>& index, int64_t n_allowed) {
-  const int64_t n = n_allowed;
+__attribute__((target("avx512f"))) float softmax_weights(float* scores, const std::vector<int32_t>& index, int64_t n) {
   if (n > 0 && index[n - 1] != n - 1) {  // else the allowed keys are a prefix (a causal row): nothing moves
     for (int64_t j = 0; j < n; ++j) scores[j] = scores[index[j]];  // j <= index[j]: in place, in order
   }
