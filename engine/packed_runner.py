@@ -68,19 +68,12 @@ class PackedModelRunner:
 
     # --- attention layout ------------------------------------------------------------------
     def _lay_out(self, packed: PackedBatch, items: list[ForwardItem], members: list[GroupMember]) -> None:
-        chains = [i for i, item in enumerate(items) if item.is_chain]
-        trees = [i for i, item in enumerate(items) if not item.is_chain]
+        chains = [members[i] for i, item in enumerate(items) if item.is_chain]
         if self.backend == "flash" and chains:
-            packed.flash = self._flash_metadata([members[i] for i in chains])
+            packed.flash = self._flash_metadata(chains)
             chains = []  # trees: SDPA, in the same step
-        gathered = []
-        if attends_trees_in_place(self.device):  # a tree is one sequence, masked to its ancestors
-            for i in trees:
-                members[i].ancestors = ancestor_matrix(items[i].parents)
-        else:  # a tree is the chains of its paths, gathered (attention_layout.py)
-            gathered = [path for i in trees for path in tree_paths(members[i], items[i].parents, items[i].slots)]
-            trees = []
-        sequences = [members[i] for i in chains + trees]
+        trees, gathered = self._lay_out_trees(items, members)
+        sequences = chains + trees
         short = [m for m in sequences if m.query_len <= MAX_GROUPED_QUERY_LEN]
         long = [m for m in sequences if m.query_len > MAX_GROUPED_QUERY_LEN]
         if len(short) == 1 and not gathered:  # one sequence decoding or verifying: no call to share
@@ -93,6 +86,16 @@ class PackedModelRunner:
             else:
                 packed.spans.append(in_place_span(member, first_slot, self.heads_per_kv_head, self.device))
         packed.groups = self._groups(gathered)
+
+    def _lay_out_trees(self, items: list[ForwardItem], members: list[GroupMember]) -> tuple[list[GroupMember], list[GroupMember]]:
+        """The trees as sequences masked to their ancestors where attention skips masked keys, else as the chains of
+        their paths, to be gathered (attention_layout.py): (sequences, paths)."""
+        trees = [(item, member) for item, member in zip(items, members) if not item.is_chain]
+        if not attends_trees_in_place(self.device):
+            return [], [path for item, member in trees for path in tree_paths(member, item.parents, item.slots)]
+        for item, member in trees:
+            member.ancestors = ancestor_matrix(item.parents)
+        return [member for _, member in trees], []
 
     def _in_place_first_slot(self, member: GroupMember) -> int | None:
         if member.context_len < self.in_place_min_context:

@@ -42,7 +42,8 @@ def profile_forward_latency(runner: PackedModelRunner, blocks: KVBlockManager, v
 @torch.inference_mode()
 def profile_path_seconds(runner: PackedModelRunner, blocks: KVBlockManager, vocab_size: int, max_model_len: int) -> float:
     """Seconds each root-to-leaf path beyond the first adds per position of context: a tree of PROFILE_TREE_PATHS
-    branches against a chain of as many tokens, after the same context (fastest of a few rounds each)."""
+    branches against a chain of as many tokens, after the same context (fastest of a few rounds each). About zero
+    where trees are attended in place (the CPU row kernel); each path re-reads the context elsewhere."""
     num_tokens = PROFILE_TREE_PATHS * PROFILE_PATH_LEN
     context_len = min(PROFILE_CONTEXT_LEN, max_model_len // 2)
     context = torch.randint(0, vocab_size, (context_len + num_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
