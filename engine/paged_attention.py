@@ -155,9 +155,10 @@ def _row_kernel_runs() -> bool:
     return has_avx512()
 
 
-def attends_trees_in_place(device: torch.device) -> bool:
-    """Whether attention on DEVICE skips masked keys, so that a tree can be attended in place with each row's bits
-    those of its path drafted as a chain (engine/attention_layout.py)."""
+def skips_masked_keys(device: torch.device) -> bool:
+    """Whether attention on DEVICE skips masked keys (the CPU row kernel): then a tree can be attended in place with
+    each row's bits those of its path drafted as a chain (engine/attention_layout.py), and a sequence read in place
+    pays nothing for the padding keys after its own."""
     return device.type == "cpu" and _row_kernel_runs()
 
 
