@@ -24,7 +24,8 @@ from engine.paged_attention import (
 # step of 4 requests of 1,536 positions took 41 ms in place and 31 ms gathered; 16 of 512, 89 and 57 ms), while a
 # request decoding alone saves the gather (a batch-1 decode at 500 positions: 25.1 ms gathered, 21.3 ms in place).
 # Where attention skips masked keys (the CPU row kernel) the padding keys cost nothing and any context is read in
-# place: MT-Bench turn 1 at batch 1, contexts mostly under 256, ran at 68.1 tok/s in place and 60.6 gathered.
+# place when its slots are contiguous: MT-Bench turn 1 at batch 1, contexts mostly under 256, ran at 68.1 tok/s in
+# place and 60.6 gathered with fresh block tables; tables fragment as requests come and go, and then it gathers.
 IN_PLACE_MIN_CONTEXT = 256
 
 
