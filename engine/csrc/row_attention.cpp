@@ -72,7 +72,7 @@ __attribute__((target("avx512f"))) inline __m512 lane_sums(const __m512* v) {
 // block of 16 keys it is computed with. Keys 16 at a time, each block scored for every row while it is in L1.
 template <int CHUNKS, int N>  // CHUNKS: the head's channels in vectors of 16; 0: any number, the last vector masked
 __attribute__((target("avx512f"))) void score_rows(
-    const float* const* q, const float* const* keys, int64_t num_keys, int64_t d, float scale,
+    const float* const* q, const float* keys, int64_t key_stride, int64_t num_keys, int64_t d, float scale,
     float* const* scores) {
   const int64_t chunks = CHUNKS ? CHUNKS : (d + LANES - 1) / LANES;
   for (int64_t j0 = 0; j0 < num_keys; j0 += LANES) {
@@ -84,14 +84,14 @@ __attribute__((target("avx512f"))) void score_rows(
         __m512 qv[CHUNKS];
         for (int c = 0; c < CHUNKS; ++c) qv[c] = _mm512_loadu_ps(q[n] + c * LANES);
         for (int j = 0; j < present; ++j) {
-          const float* key = keys[j0 + j];
+          const float* key = keys + (j0 + j) * key_stride;
           __m512 a = _mm512_setzero_ps();
           for (int c = 0; c < CHUNKS; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(key + c * LANES), a);
           acc[j] = a;
         }
       } else {
         for (int j = 0; j < present; ++j) {
-          const float* key = keys[j0 + j];
+          const float* key = keys + (j0 + j) * key_stride;
           __m512 a = _mm512_setzero_ps();
           for (int64_t c = 0; c < chunks; ++c) {
             const __mmask16 m = lanes(c * LANES, d);
@@ -131,7 +131,8 @@ constexpr int VALUE_BLOCK = 32;  // even
 
 template <int CHUNKS, int N>
 __attribute__((target("avx512f"))) void weigh_values(
-    float* const* weights, const float* totals, const std::vector<int32_t>& index, int64_t n, const float* const* values, int64_t d, float* const* out) {
+    float* const* weights, const float* totals, const std::vector<int32_t>& index, int64_t n, const float* values,
+    int64_t value_stride, int64_t d, float* const* out) {
   if constexpr (CHUNKS > 0) {
     __m512 even[N][CHUNKS], odd[N][CHUNKS];
     for (int r = 0; r < N; ++r)
@@ -144,8 +145,8 @@ __attribute__((target("avx512f"))) void weigh_values(
         int64_t j = j0;
         for (; j + 1 < stop; j += 2) {
           const __m512 we = _mm512_set1_ps(weights[r][j]), wo = _mm512_set1_ps(weights[r][j + 1]);
-          const float* ve = values[index[j]];
-          const float* vo = values[index[j + 1]];
+          const float* ve = values + index[j] * value_stride;
+          const float* vo = values + index[j + 1] * value_stride;
           for (int c = 0; c < CHUNKS; ++c) {
             e[c] = _mm512_fmadd_ps(we, _mm512_loadu_ps(ve + c * LANES), e[c]);
             o[c] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(vo + c * LANES), o[c]);
@@ -153,7 +154,7 @@ __attribute__((target("avx512f"))) void weigh_values(
         }
         if (j < stop) {  // the last key of an odd count
           const __m512 we = _mm512_set1_ps(weights[r][j]);
-          const float* ve = values[index[j]];
+          const float* ve = values + index[j] * value_stride;
           for (int c = 0; c < CHUNKS; ++c) e[c] = _mm512_fmadd_ps(we, _mm512_loadu_ps(ve + c * LANES), e[c]);
         }
         for (int c = 0; c < CHUNKS; ++c) even[r][c] = e[c], odd[r][c] = o[c];
@@ -171,10 +172,10 @@ __attribute__((target("avx512f"))) void weigh_values(
       __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
       int64_t j = 0;
       for (; j + 1 < n; j += 2) {
-        even = _mm512_fmadd_ps(_mm512_set1_ps(weights[r][j]), _mm512_maskz_loadu_ps(m, values[index[j]] + c), even);
-        odd = _mm512_fmadd_ps(_mm512_set1_ps(weights[r][j + 1]), _mm512_maskz_loadu_ps(m, values[index[j + 1]] + c), odd);
+        even = _mm512_fmadd_ps(_mm512_set1_ps(weights[r][j]), _mm512_maskz_loadu_ps(m, values + index[j] * value_stride + c), even);
+        odd = _mm512_fmadd_ps(_mm512_set1_ps(weights[r][j + 1]), _mm512_maskz_loadu_ps(m, values + index[j + 1] * value_stride + c), odd);
       }
-      if (j < n) even = _mm512_fmadd_ps(_mm512_set1_ps(weights[r][j]), _mm512_maskz_loadu_ps(m, values[index[j]] + c), even);
+      if (j < n) even = _mm512_fmadd_ps(_mm512_set1_ps(weights[r][j]), _mm512_maskz_loadu_ps(m, values + index[j] * value_stride + c), even);
       _mm512_mask_storeu_ps(out[r] + c, m, _mm512_div_ps(_mm512_add_ps(even, odd), _mm512_set1_ps(totals[r])));
     }
   }
@@ -183,52 +184,40 @@ __attribute__((target("avx512f"))) void weigh_values(
 // Attention of N rows sharing one mask row (ALLOWED [L]): scores, softmax, weighted values. SCORES[n] [padded]
 // and INDEX [padded] are scratch.
 template <int CHUNKS, int N>
-void attend_rows(const float* const* q, const float* const* keys, const float* const* values,
+void attend_rows(const float* const* q, const float* keys, int64_t key_stride, const float* values, int64_t value_stride,
                  const bool* allowed, int64_t num_keys, int64_t d, float scale, float* const* scores,
                  std::vector<int32_t>& index, float* const* out) {
-  score_rows<CHUNKS, N>(q, keys, num_keys, d, scale, scores);
+  score_rows<CHUNKS, N>(q, keys, key_stride, num_keys, d, scale, scores);
   int64_t n = 0;
   for (int64_t j = 0; j < num_keys; ++j) {
     if (allowed[j]) index[n++] = static_cast<int32_t>(j);
   }
   float totals[N];
   for (int r = 0; r < N; ++r) totals[r] = softmax_weights(scores[r], index, n);
-  weigh_values<CHUNKS, N>(scores, totals, index, n, values, d, out);
+  weigh_values<CHUNKS, N>(scores, totals, index, n, values, value_stride, d, out);
 }
 
 template <int N>
-void attend_rows_any(const float* const* q, const float* const* keys, const float* const* values, const bool* allowed, int64_t num_keys, int64_t d, float scale,
+void attend_rows_any(const float* const* q, const float* keys, int64_t key_stride, const float* values, int64_t value_stride, const bool* allowed, int64_t num_keys, int64_t d, float scale,
                      float* const* scores, std::vector<int32_t>& index, float* const* out) {
   switch (d) {
-    case 64: return attend_rows<4, N>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
-    case 128: return attend_rows<8, N>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
-    default: return attend_rows<0, N>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
+    case 64: return attend_rows<4, N>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
+    case 128: return attend_rows<8, N>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
+    default: return attend_rows<0, N>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
   }
 }
 
 // Up to MAX_GROUP rows that share a mask row at once.
-void attend_group(int group, const float* const* q, const float* const* keys, const float* const* values,
+void attend_group(int group, const float* const* q, const float* keys, int64_t key_stride, const float* values, int64_t value_stride,
                   const bool* allowed, int64_t num_keys, int64_t d, float scale,
                   float* const* scores, std::vector<int32_t>& index, float* const* out) {
   switch (group) {
-    case 1: return attend_rows_any<1>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
-    case 2: return attend_rows_any<2>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
-    case 3: return attend_rows_any<3>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
-    default: return attend_rows_any<4>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
+    case 1: return attend_rows_any<1>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
+    case 2: return attend_rows_any<2>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
+    case 3: return attend_rows_any<3>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
+    default: return attend_rows_any<4>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
   }
 }
-
-// Where the keys and values of KV head h of sequence r lie: row j at K + r * ks.request + h * ks.head + j * ks.row.
-struct StridedKeys {
-  const float *k, *v;
-  Strides ks, vs;
-  void rows(int64_t r, int64_t h, int64_t num_keys, const float** keys, const float** values) const {
-    for (int64_t j = 0; j < num_keys; ++j) {
-      keys[j] = k + r * ks.request + h * ks.head + j * ks.row;
-      values[j] = v + r * vs.request + h * vs.head + j * vs.row;
-    }
-  }
-};
 
 // The number of keys a mask row needs scored: up to its last allowed key.
 int64_t keys_needed(const bool* allowed, int64_t num_keys) {
@@ -237,21 +226,29 @@ int64_t keys_needed(const bool* allowed, int64_t num_keys) {
   return last;
 }
 
-// q [R, H, G * Q, d] (G query heads per KV head, head-major: row g * Q + i is head g at query i); mask [R, 1,
-// G * Q or Q, L] bool, True where query i may look (rows i < Q read: the G heads of a query share its mask; each
-// query sees at least one key) -> [R, H, G * Q, d]. The G rows of a query are computed together, MAX_GROUP at a
-// time, each as if alone; only the keys up to a query's last allowed one are scored.
-torch::Tensor attend_all(const torch::Tensor& q, const StridedKeys& layout, const torch::Tensor& mask, double scaling,
-                         int64_t heads_per_kv_head) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.stride(3) == 1, "q: float32, the head dimension contiguous");
-  const int64_t R = q.size(0), H = q.size(1), rows = q.size(2), d = q.size(3), L = mask.size(3), G = heads_per_kv_head;
+}  // namespace
+
+// q [R, H, G * Q, d] (G query heads per KV head, head-major: row g * Q + i is head g at query i); k, v [R, H, L, d]
+// (last dimension contiguous, any other strides: views of the pool); mask [R, 1, G * Q or Q, L] bool, True where
+// query i may look (rows i < Q read: the G heads of a query share its mask; each query sees at least one key)
+// -> [R, H, G * Q, d]. The G rows of a query are computed together, MAX_GROUP at a time, each as if alone; only
+// the keys up to a query's last allowed one are scored.
+torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const torch::Tensor& mask, double scaling, int64_t heads_per_kv_head) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
+              "row_attention takes float32");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "the head dimension must be contiguous");
+  const int64_t R = q.size(0), H = q.size(1), rows = q.size(2), d = q.size(3), L = k.size(2), G = heads_per_kv_head;
   TORCH_CHECK(G >= 1 && rows % G == 0, "rows (", rows, ") must be a multiple of heads_per_kv_head (", G, ")");
   const int64_t Q = rows / G;
   const auto allowed = mask.contiguous();
-  TORCH_CHECK(allowed.size(0) == R && allowed.size(2) >= Q, "the mask must have a row per query");
+  TORCH_CHECK(allowed.size(0) == R && allowed.size(2) >= Q && allowed.size(3) == L,
+              "the mask must have a row per query and a column per key");
   auto out = torch::empty({R, H, rows, d}, q.options());
-  const Strides qs = strides_of(q);
+  const Strides qs = strides_of(q), ks = strides_of(k), vs = strides_of(v);
   const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
   const bool* mp = allowed.data_ptr<bool>();
   const int64_t mask_rows = allowed.size(2);
   float* op = out.data_ptr<float>();
@@ -260,16 +257,12 @@ torch::Tensor attend_all(const torch::Tensor& q, const StridedKeys& layout, cons
   at::parallel_for(0, R * H * Q, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffers(MAX_GROUP * padded);
     std::vector<int32_t> index(padded);
-    std::vector<const float*> keys(L), values(L);
     float* scores[MAX_GROUP];
     for (int n = 0; n < MAX_GROUP; ++n) scores[n] = buffers.data() + n * padded;
-    int64_t laid_out = -1;  // the (r, h) whose rows KEYS and VALUES hold
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / (H * Q), h = item / Q % H, i = item % Q;
-      if (laid_out != r * H + h) {
-        layout.rows(r, h, L, keys.data(), values.data());
-        laid_out = r * H + h;
-      }
+      const float* keys = kp + r * ks.request + h * ks.head;
+      const float* values = vp + r * vs.request + h * vs.head;
       const bool* row_mask = mp + (r * mask_rows + i) * L;
       const int64_t num_keys = keys_needed(row_mask, L);
       for (int64_t g0 = 0; g0 < G; g0 += MAX_GROUP) {
@@ -281,21 +274,9 @@ torch::Tensor attend_all(const torch::Tensor& q, const StridedKeys& layout, cons
           qrows[n] = qp + r * qs.request + h * qs.head + row * qs.row;
           orows[n] = op + ((r * H + h) * rows + row) * d;
         }
-        attend_group(group, qrows, keys.data(), values.data(), row_mask, num_keys, d, scale, scores, index, orows);
+        attend_group(group, qrows, keys, ks.row, values, vs.row, row_mask, num_keys, d, scale, scores, index, orows);
       }
     }
   });
   return out;
-}
-
-}  // namespace
-
-// Keys and values as strided views: k, v [R, H, L, d] (the last dimension contiguous).
-torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const torch::Tensor& mask, double scaling, int64_t heads_per_kv_head) {
-  TORCH_CHECK(k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32, "row_attention takes float32");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && mask.size(3) == k.size(2), "k, v: [R, H, L, d], d contiguous");
-  StridedKeys layout;
-  layout.k = k.data_ptr<float>(), layout.v = v.data_ptr<float>(), layout.ks = strides_of(k), layout.vs = strides_of(v);
-  return attend_all(q, layout, mask, scaling, heads_per_kv_head);
 }
