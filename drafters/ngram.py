@@ -91,9 +91,16 @@ class RowRates:
         self.hits: Counter[tuple[str, int]] = Counter()
 
     def rate(self, kind: str, depth: int) -> float:
-        prior = self.rate(kind, depth - 1) if depth > 1 else ROW_PRIOR
-        key = (kind, depth)
-        return (self.hits[key] + prior * ROW_PRIOR_WEIGHT) / (self.tried[key] + ROW_PRIOR_WEIGHT)
+        return self.rates(kind, depth)[-1]
+
+    def rates(self, kind: str, max_depth: int) -> list[float]:
+        """[max_depth] the rate at depths 1 .. max_depth, each shrunk towards the one before."""
+        result, prior = [], ROW_PRIOR
+        for depth in range(1, max_depth + 1):
+            key = (kind, depth)
+            prior = (self.hits[key] + prior * ROW_PRIOR_WEIGHT) / (self.tried[key] + ROW_PRIOR_WEIGHT)
+            result.append(prior)
+        return result
 
     def score(self, rows: list[tuple[list[int], str]], target_token_ids: Sequence[int]) -> None:
         for row, kind in rows:
@@ -138,8 +145,8 @@ class NgramDrafter(CorpusDrafter[ContextNgramIndex]):
         token_ids, parents, paths = merge_rows([row for row, _ in rows])
         estimates = [0.0] * len(token_ids)
         for (_, kind), path in zip(rows, paths):
-            for depth, node in enumerate(path, start=1):
-                estimates[node] = max(estimates[node], self.rates.rate(kind, depth))
+            for node, rate in zip(path, self.rates.rates(kind, len(path))):
+                estimates[node] = max(estimates[node], rate)
         return Draft(token_ids, self.name, parents, estimates)
 
     def _bigram_rows(self, last_token: int, context_rows: list[list[int]]) -> list[list[int]]:
