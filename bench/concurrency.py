@@ -424,6 +424,6 @@ def run_concurrency_benchmark(args, conversations: list[list[dict]], tokenizer, 
     servers = [specserve_under_test(d, engine_flags, model, args.warm_prompts) for d in args.concurrency_drafters]
     peers, setup = peers_under_test(args, conversations, tokenizer)
     setup.update(specserve_flags=engine_flags, order=ORDER, warm_prompts=args.warm_prompts)
-    command = "specserve " + " ".join(sys.argv[1:])
+    command = "specserve " + shlex.join(sys.argv[1:])
     return measure_servers(servers + peers, conversations, args.concurrency, args.requests_per_client, args.max_new_tokens,
                            out_dir, lambda rows: write_concurrency_results(rows, command, out_dir, setup), args.warm_prompts)
