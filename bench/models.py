@@ -108,6 +108,7 @@ def greedy(args) -> SamplingParams:
 
 
 def run_models_benchmark(args: argparse.Namespace, engine_config_from_args, tokenizer, out_dir: Path) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)  # before the run: a path that cannot be a folder fails now, not after it
     engines = {mode: mode_engine(args, engine_config_from_args, mode) for mode in MODES}
     prompts = question_prompts(args, tokenizer, engines["none"])
     rows = []
@@ -122,7 +123,6 @@ def run_models_benchmark(args: argparse.Namespace, engine_config_from_args, toke
     results = {"command": "specserve " + shlex.join(sys.argv[1:]), "summary": rows, "draft_model": draft_model(args),
                "companion_model": companion_model(args), "max_new_tokens": args.max_new_tokens,
                "calibration": json.loads(calibration.read_text()) if calibration.is_file() else None}
-    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     (out_dir / "results.md").write_text(markdown(results))
     return results
