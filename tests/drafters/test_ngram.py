@@ -135,7 +135,6 @@ def test_row_rates_score_every_row_against_the_targets_tokens_down_to_its_first_
     assert rates.rate("b", 4) > 0.85  # depth 4 never scored: it inherits depth 3
 
 
-
 def test_a_rows_rates_shrink_each_depth_towards_the_one_before():
     rates = RowRates()
     rates.score([([5, 6], "a")], [5, 7])  # depth 1 right, depth 2 wrong
@@ -143,6 +142,7 @@ def test_a_rows_rates_shrink_each_depth_towards_the_one_before():
     second = (0 + first * ROW_PRIOR_WEIGHT) / (1 + ROW_PRIOR_WEIGHT)
     assert rates.rates("a", 3) == pytest.approx([first, second, second])  # depth 3 unscored: depth 2's rate
     assert rates.rate("a", 2) == pytest.approx(second)
+
 
 def test_each_tree_token_carries_the_best_estimate_of_the_rows_through_it():
     drafter = NgramDrafter(k=3, w=2, bigram=ReadyTable(table_of({5: [1, 8, 9]})))
