@@ -33,6 +33,8 @@ def add_bench_parser(commands, add_engine_flags) -> None:
     bench.add_argument("--grid-limit", type=int, default=5, help="ngram: questions per set of the k x w grid (0: no grid)")
     bench.add_argument("--grid-max-new-tokens", type=int, default=96, help="ngram: new tokens per grid generation")
     bench.add_argument("--concurrency", type=parse_ints, default=(1, 4, 16, 32, 64), help="concurrency: client counts")
+    bench.add_argument("--min-requests", type=int, default=16,
+                       help="models: rounds of B requests at each batch size B until at least this many were answered")
     bench.add_argument("--requests-per-client", type=int, default=2, help="concurrency: turn-2 requests per client and level")
     bench.add_argument("--peers", type=parse_peers, default=PEERS[:1], help=f"concurrency: peer servers from {PEERS}, or ''")
     bench.add_argument("--warm-prompts", action="store_true",

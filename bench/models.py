@@ -12,7 +12,12 @@ MT-Bench turn 1 for all but the copy modes, which answer MT-Redundant turn 2 (tu
 greedy answer from `none` in the history) and are compared with `none` on the same turn.
 
 A batch of B is B requests submitted at once to one in-process engine (continuous
-batching; no HTTP), the wall time from submission to the last token. Greedy rows say
+batching; no HTTP), the wall time from submission to the last token. Each batch size runs
+rounds of such batches, on the next B questions each round, until at least --min-requests
+requests were answered, every mode taking its turn within a round (the order reversed
+every other round), so that the machine's drift hits all modes alike; a row's figures are
+the totals over its rounds. Sessions are off: no mode starts a batch from a cached prefix
+or drafter state that an earlier round left behind. Greedy rows say
 whether every output equals `none`'s (near-ties judged as in bench/exactness.py);
 sampled rows (temperature 0.7) cannot be compared token for token.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
 import time
@@ -54,6 +60,7 @@ def mode_engine(args, engine_config_from_args, mode: str) -> Engine:
                       companion_model=companion_model(args) if companion else None),
         scheduler=replace(config.scheduler, use_goodput_planner=planner),
         spec=replace(config.spec, num_draft_tokens=num_tokens),
+        sessions=replace(config.sessions, mode="off"),
     ))
     if companion and not engine.speculation.drafter.tables:
         raise SystemExit("the sv mode needs the companion's table: run `specserve calibrate sv` with the same "
@@ -81,23 +88,39 @@ def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams) 
         for output in engine.step().outputs:
             tokens[output.request_id] += output.new_token_ids
             spec[output.request_id] = output.spec
-    seconds = time.perf_counter() - start
-    drafts = sum(s.num_drafts for s in spec.values())
-    verified = sum(s.num_draft_tokens for s in spec.values())
-    accepted = sum(s.num_accepted_tokens for s in spec.values())
     return {
-        "outputs": [tokens[i] for i in ids], "seconds": seconds,
-        "tokens_per_s": sum(len(t) for t in tokens.values()) / seconds,
-        "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
-        "verified_draft_tokens": verified, "accepted_draft_tokens": accepted,
-        "rejected_share": (verified - accepted) / verified if verified else None,
+        "prompts": prompts, "outputs": [tokens[i] for i in ids], "seconds": time.perf_counter() - start,
+        "drafts": sum(s.num_drafts for s in spec.values()),
+        "verified_draft_tokens": sum(s.num_draft_tokens for s in spec.values()),
+        "accepted_draft_tokens": sum(s.num_accepted_tokens for s in spec.values()),
     }
+
+
+def totals(batches: list[dict]) -> dict:
+    """The rounds' batches of one mode as one: prompts and outputs in order, summed counts, and the figures of a row."""
+    total = {key: [x for b in batches for x in b[key]] for key in ("prompts", "outputs")}
+    total.update({key: sum(b[key] for b in batches) for key in ("seconds", "drafts", "verified_draft_tokens", "accepted_draft_tokens")})
+    verified, accepted, drafts = total["verified_draft_tokens"], total["accepted_draft_tokens"], total.pop("drafts")
+    total["tokens_per_s"] = sum(len(t) for t in total["outputs"]) / total["seconds"]
+    total["mean_acceptance_length"] = 1 + accepted / drafts if drafts else 1.0
+    total["rejected_share"] = (verified - accepted) / verified if verified else None
+    return total
+
+
+def rounds(batch: int, min_requests: int) -> int:
+    return max(1, math.ceil(min_requests / batch))
+
+
+def wave(prompts: list[list[int]], round_index: int, batch: int) -> list[list[int]]:
+    """The round's B questions: the next B after the rounds before, from the start again past the end."""
+    return [prompts[(round_index * batch + i) % len(prompts)] for i in range(batch)]
 
 
 def question_prompts(args, tokenizer, baseline: Engine) -> dict[str, list[list[int]]]:
     """MT-Bench turn 1, and MT-Redundant turn 2 after `none`'s greedy turn-1 answer."""
     bench = [turn_prompts(tokenizer, q, None) for q in load_questions("mt-bench", args.data_dir)]
-    redundant = load_questions("mt-redundant", args.data_dir)[:max(args.concurrency)]
+    needed = max(batch * rounds(batch, args.min_requests) for batch in args.concurrency)
+    redundant = load_questions("mt-redundant", args.data_dir)[:needed]
     first = run_batch(baseline, [turn_prompts(tokenizer, q, None) for q in redundant], greedy(args))["outputs"]
     answers = [tokenizer.decode(a, skip_special_tokens=True) for a in first]
     return {"mt-bench": bench, "mt-redundant": [turn_prompts(tokenizer, q, [a]) for q, a in zip(redundant, answers)]}
@@ -115,20 +138,31 @@ def run_models_benchmark(args: argparse.Namespace, engine_config_from_args, toke
     for level, batch in enumerate(args.concurrency):
         for temperature in TEMPERATURES:
             params = SamplingParams(temperature=temperature, max_tokens=args.max_new_tokens, seed=None)
-            order = list(MODES) if level % 2 == 0 else list(MODES)[::-1]
-            results = {mode: run_batch(engines[mode], prompts[MODES[mode][4]][:batch], params) for mode in order}
-            rows += level_rows(batch, temperature, results, prompts, engines["none"].runner.model)
+            results = level_results(engines, prompts, batch, rounds(batch, args.min_requests), params, level)
+            rows += level_rows(batch, temperature, results, engines["none"].runner.model)
             print(json.dumps(rows[-len(MODES):], default=str), flush=True)
     calibration = out_dir / "calibration.json"
     results = {"command": "specserve " + shlex.join(sys.argv[1:]), "summary": rows, "draft_model": draft_model(args),
                "companion_model": companion_model(args), "max_new_tokens": args.max_new_tokens,
+               "min_requests": args.min_requests,
                "calibration": json.loads(calibration.read_text()) if calibration.is_file() else None}
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     (out_dir / "results.md").write_text(markdown(results))
     return results
 
 
-def level_rows(batch: int, temperature: float, results: dict, prompts: dict, model) -> list[dict]:
+def level_results(engines: dict, prompts: dict, batch: int, num_rounds: int, params: SamplingParams, level: int) -> dict:
+    """Per mode, the totals of NUM_ROUNDS batches of B, the modes taking turns within each round (the order reversed
+    every other round, and every other level)."""
+    batches = {mode: [] for mode in MODES}
+    for round_index in range(num_rounds):
+        for mode in (list(MODES) if (level + round_index) % 2 == 0 else list(MODES)[::-1]):
+            questions = wave(prompts[MODES[mode][4]], round_index, batch)
+            batches[mode].append(run_batch(engines[mode], questions, params))
+    return {mode: totals(mode_batches) for mode, mode_batches in batches.items()}
+
+
+def level_rows(batch: int, temperature: float, results: dict, model) -> list[dict]:
     rows = []
     for mode in MODES:
         result = results[mode]
@@ -136,10 +170,10 @@ def level_rows(batch: int, temperature: float, results: dict, prompts: dict, mod
         identical = None
         if temperature == 0.0 and baseline is not None:
             identical = all(divergence_verdict(model, p, a, b) != "mismatch"
-                            for p, a, b in zip(prompts["mt-bench"], baseline["outputs"], result["outputs"]))
+                            for p, a, b in zip(baseline["prompts"], baseline["outputs"], result["outputs"]))
         row = {"batch_size": batch, "temperature": temperature, "mode": mode, "questions": MODES[mode][4],
                "all_identical_to_baseline": identical}
-        row.update({k: v for k, v in result.items() if k != "outputs"})
+        row.update({k: v for k, v in result.items() if k not in ("prompts", "outputs")})
         if baseline is not None:
             row["speedup_vs_none"] = result["tokens_per_s"] / baseline["tokens_per_s"]
         rows.append(row)

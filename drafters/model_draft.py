@@ -2,8 +2,8 @@
 
 The draft model runs autoregressively, all drafting requests batched in one packed
 forward per drafted position, for as many tokens as the scheduler allowed each request
-this step (`DraftForward.budget`: it reserved their KV blocks, and the goodput planner
-may allow none). Each drafted token is the draft model's argmax for a greedy request;
+this step (`DraftForward.reserve`, asked for the requests about to draft: the scheduler
+reserves their KV blocks, and its goodput planner may allow none). Each drafted token is the draft model's argmax for a greedy request;
 for a sampled request it is drawn from the draft distribution q — the draft model's
 logits after the request's temperature, top-k and top-p, the processing the target's
 p gets — and q is kept here, for the verifier's min(1, p/q) test and residual
@@ -125,7 +125,8 @@ class ModelDrafter(DrafterBase):
         return state.probs if state else None
 
     def propose(self, reqs: Sequence[DraftableRequest]) -> list[Draft]:
-        budgets = {req.request_id: min(self.forward.budget(req.request_id), self.max_tokens) for req in reqs}
+        allowed = self.forward.reserve(list(reqs))
+        budgets = {req.request_id: min(allowed.get(req.request_id, 0), self.max_tokens) for req in reqs}
         drafting = [req for req in reqs if budgets[req.request_id] > 0]
         drafted: dict[str, list[int]] = {req.request_id: [] for req in drafting}
         probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req in drafting}

@@ -16,6 +16,7 @@ exactness (the target verifies every drafted token).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -97,19 +98,18 @@ def draft_pool(draft: DraftModel, target_pool: PagedKVPool, device: torch.device
 
 class DraftForward:
     """What the draft drafter is lent: packed forwards of chains over the draft model, addressed by request, with
-    KV at the slots of the scheduler's block tables, and the number of tokens each request may draft this step
-    (the scheduler reserved their blocks)."""
+    KV at the slots of the scheduler's block tables, and `reserve`: how many tokens each of the requests that are
+    about to draft with the model may draft this step (the engine wires it to the scheduler, which decides it and
+    reserves their blocks; asked only for the requests the model drafts for, so that copy-covered requests of
+    `copyspec+draft` neither weigh in the decision nor hold blocks)."""
 
     def __init__(self, draft: DraftModel, runner: PackedModelRunner, blocks: KVBlockManager) -> None:
         self.name = draft.name
         self.shares_target_kv = draft.shares_target_kv
         self.runner = runner
         self.blocks = blocks
-        self.budgets: dict[str, int] = {}  # request id -> tokens it may draft this step
+        self.reserve: Callable[[list], dict[str, int]] = lambda reqs: {}  # requests -> request id -> tokens
         self.latency_profile: dict[int, float] = {}  # seconds of a forward by tokens, profiled at start-up
-
-    def budget(self, request_id: str) -> int:
-        return self.budgets.get(request_id, 0)
 
     def __call__(self, chains: list[tuple[str, list[int], int]], num_logits: list[int] | None = None) -> list[torch.Tensor]:
         """(request id, token ids, position of the first) per request -> per chain [num_logits, vocab] float32 logits

@@ -70,6 +70,8 @@ class Engine:
             context.sv_tables = load_sv_tables(context.cache_dir, sv_fingerprints(context.model_fingerprint, draft, companion))
         self.speculation = Speculation(build_drafter(config.spec, context))
         self.num_draft_tokens = config.spec.num_draft_tokens
+        if self.draft_forward:
+            self.draft_forward.reserve = self._reserve_model_drafts
         self.max_session_host_bytes = int(config.sessions.host_memory_mib * 2**20)
         self.grammars = Grammars(lambda: load_tokenizer(config.model), self.vocab_size, self.eos_token_ids)
         self.verifier = Verifier(self.grammars)
@@ -226,12 +228,14 @@ class Engine:
                 self.speculation.extend(req, request_update.new_token_ids)
         decoding = [req for req in self.scheduler.running if req.is_decoding]
         start = time.perf_counter()
-        if self.draft_forward:
-            self.draft_forward.budgets = self.scheduler.reserve_model_drafts(decoding, self.num_draft_tokens, "draft")
         self.scheduler.set_drafts(decoding, self._grammatical(decoding, self.speculation.propose(decoding)))
         draft_seconds = time.perf_counter() - start if self.draft_forward else 0.0
         self._add_cache_stats(update.stats)
         return draft_seconds
+
+    def _reserve_model_drafts(self, reqs: list[Request]) -> dict[str, int]:
+        """For the requests about to draft with the draft model, how many tokens each may draft (their blocks reserved)."""
+        return self.scheduler.reserve_model_drafts(reqs, self.num_draft_tokens, "draft")
 
     def _grammatical(self, reqs: list[Request], drafts: list[Draft]) -> list[Draft]:
         """Drafts cut to what each request's grammar allows, so that forbidden tokens are never verified."""

@@ -10,12 +10,18 @@ drafts the depth d in 0..k whose expected goodput is best:
 where P_i is the probability that the i-th drafted token is on the accepted path (the
 product of the acceptance estimates of depths 1..i, averaged over the batch), target(n),
 draft(n) and companion(n) the profiled latencies of a forward over n tokens (the
-companion, when there is one, scores every drafted token in one forward). d = 0 turns the draft
-model off; it then drafts one token anyway once the steps it stayed off have cost
-EXPLORE_SHARE^-1 times that one-token draft (every ~50th step for a draft model as slow
-as the target, every few steps for a cheap one), so that its acceptance keeps being
-measured and drafting comes back when it pays again, at ~2 % of the time at most. The
-planner then chooses, as for any draft, which drafted tokens are verified.
+companion, when there is one, scores every drafted token in one forward). B counts only the
+requests about to draft with the model (under `copyspec+draft`, those CopySpec left without a
+draft), since only they gain from it.
+
+d = 0 turns the draft model off; it then drafts one token anyway (a probe) once the steps
+it stayed off have cost 1/share times that one-token draft, so that its acceptance keeps
+being measured and drafting comes back when it pays again. The share starts at
+EXPLORE_SHARE (a probe every ~50th step for a draft model as slow as the target, every few
+steps for a cheap one) and halves after every probe that left the draft off, down to
+MIN_EXPLORE_SHARE (every ~500th step): a draft model that never pays costs ~0.2 % of the
+time once it has been found out, and one that pays again is back within ~500 steps at most.
+The planner then chooses, as for any draft, which drafted tokens are verified.
 
 Positions drafted with the model need KV slots (the draft model writes its KV there):
 the request's blocks are grown to cover them, as far as free blocks allow; the next
@@ -32,7 +38,8 @@ from scheduler.kv_blocks import KVBlockManager
 from scheduler.planner import PlannedTree, path_probabilities
 from scheduler.request import Request
 
-EXPLORE_SHARE = 0.02  # of the step time, spent on one-token drafts while the planner keeps drafting off
+EXPLORE_SHARE = 0.02  # of the step time, spent on one-token drafts right after the planner turned drafting off
+MIN_EXPLORE_SHARE = 0.002  # ... and after it kept it off through many probes
 
 
 def best_draft_depth(
@@ -63,7 +70,8 @@ class ModelDraftBudget:
         self.target_seconds = target_seconds  # None: no planner, every request drafts the most it may
         self.draft_seconds = draft_seconds
         self.companion_seconds = companion_seconds or (lambda num_tokens: 0.0)
-        self.steps_off = 0  # consecutive steps the planner kept drafting off
+        self.steps_off = 0  # steps the planner kept drafting off since the last probe
+        self.probes_off = 0  # probes since the planner last chose to draft
 
     def reserve(self, reqs: list[Request], max_tokens: int, source: str) -> dict[str, int]:
         """Per request id, how many tokens it drafts with SOURCE's model next; their KV blocks are reserved."""
@@ -78,13 +86,19 @@ class ModelDraftBudget:
         mean = [sum(column) / len(reqs) for column in zip(*by_request)]
         depth = best_draft_depth(mean, len(reqs), self.target_seconds, self.draft_seconds, self.companion_seconds)
         if depth:
-            self.steps_off = 0
+            self.steps_off = self.probes_off = 0
             return depth
         self.steps_off += 1
-        if self.steps_off * EXPLORE_SHARE * self.target_seconds(len(reqs)) < self.draft_seconds(len(reqs)):
+        if self.steps_off * self.explore_share * self.target_seconds(len(reqs)) < self.draft_seconds(len(reqs)):
             return 0
         self.steps_off = 0
+        self.probes_off += 1
         return 1
+
+    @property
+    def explore_share(self) -> float:
+        """The share of the step time probes may take now: halved by every probe since drafting was last on."""
+        return max(EXPLORE_SHARE / 2 ** self.probes_off, MIN_EXPLORE_SHARE)
 
     def _reserve(self, req: Request, num_tokens: int) -> int:
         """Grow the request's blocks to cover NUM_TOKENS drafted positions after its computed ones, or as many as

@@ -2,7 +2,7 @@
 from engine.wire import SamplingParams
 from scheduler.acceptance import TreeAcceptance
 from scheduler.kv_blocks import KVBlockManager
-from scheduler.model_drafts import EXPLORE_SHARE, ModelDraftBudget, best_draft_depth
+from scheduler.model_drafts import EXPLORE_SHARE, MIN_EXPLORE_SHARE, ModelDraftBudget, best_draft_depth
 from scheduler.request import Request
 
 
@@ -61,12 +61,15 @@ def test_drafts_are_cut_to_the_free_blocks_and_the_tokens_a_request_may_still_ge
     assert model_drafts.reserve([short, hog], 5, "draft")["short"] == 0
 
 
-def test_the_planner_turns_a_useless_draft_model_off_but_keeps_measuring_it():
+def test_the_planner_turns_a_useless_draft_model_off_but_keeps_measuring_it_less_and_less_often():
     model_drafts, blocks = budget(planned=True, rate=0.05)
     req = decoding_request("a", 6, blocks)
-    # the draft model costs a target forward: one token drafted after every 1 / EXPLORE_SHARE steps off
-    depths = [model_drafts.reserve([req], 5, "draft")["a"] for _ in range(round(2 / EXPLORE_SHARE) + 2)]
-    assert depths.count(1) == 2 and set(depths) == {0, 1}
-    assert depths.index(1) == round(1 / EXPLORE_SHARE) - 1
+    # the draft model costs a target forward: a one-token probe after 1 / share steps off, the share halving from
+    # EXPLORE_SHARE after every probe that leaves drafting off, down to MIN_EXPLORE_SHARE
+    depths = [model_drafts.reserve([req], 5, "draft")["a"] for _ in range(2250)]
+    assert set(depths) == {0, 1}
+    probes = [step + 1 for step, depth in enumerate(depths) if depth]
+    gaps = [after - before for before, after in zip([0, *probes], probes)]
+    assert gaps == [round(2 ** i / EXPLORE_SHARE) for i in range(4)] + [round(1 / MIN_EXPLORE_SHARE)] * 3  # 50 .. 400, 500s
     model_drafts.estimator.prior, model_drafts.draft_seconds = 0.99, linear(0.0001, 0.001)  # right and cheap now
     assert model_drafts.reserve([req], 5, "draft")["a"] > 0

@@ -1,0 +1,22 @@
+"""bench models' rounds: which questions each round asks, and how a mode's rounds add up to its row."""
+from bench.models import rounds, totals, wave
+
+
+def test_each_batch_size_runs_rounds_until_the_minimum_of_requests_and_at_least_one():
+    assert [rounds(batch, 16) for batch in (1, 4, 5, 16, 64)] == [16, 4, 4, 1, 1]
+
+
+def test_each_round_asks_the_next_questions_and_wraps_past_the_end():
+    prompts = [[i] for i in range(5)]
+    assert [wave(prompts, r, 2) for r in range(3)] == [[[0], [1]], [[2], [3]], [[4], [0]]]
+
+
+def test_a_rows_figures_are_totals_over_its_rounds_not_means_of_their_ratios():
+    batches = [
+        {"prompts": [[1]], "outputs": [[7] * 30], "seconds": 1.0, "drafts": 10, "verified_draft_tokens": 20, "accepted_draft_tokens": 15},
+        {"prompts": [[2]], "outputs": [[8] * 10], "seconds": 3.0, "drafts": 0, "verified_draft_tokens": 0, "accepted_draft_tokens": 0},
+    ]
+    total = totals(batches)
+    assert total["prompts"] == [[1], [2]] and total["outputs"] == [[7] * 30, [8] * 10]
+    assert total["tokens_per_s"] == 10.0  # 40 tokens in 4 s (the mean of 30 and 3.3 tok/s would be 16.7)
+    assert total["mean_acceptance_length"] == 2.5 and total["rejected_share"] == 0.25
