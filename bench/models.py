@@ -1,15 +1,15 @@
 """`specserve bench models`: speculative decoding with a draft model, at several batch sizes, against plain decoding.
 
 Modes (one engine each, all loaded up front, driven one after another at each batch size
-and temperature, the order reversed at every other batch size):
+and temperature):
 - `none`: plain decoding;
 - `sd-k5`, `sd-k7`: the draft model drafts k tokens every step, all verified (planner off);
 - `sd-planner`: k = 5 at most, the goodput planner decides how many to draft and verify;
 - `sv`: the same with the companion's estimates (its table from `specserve calibrate sv`, which
   must have run first; its report, if written to OUT/calibration.json, goes into results.json);
 - `copyspec`, `copyspec+draft`: CopySpec, and CopySpec falling back to the draft model (planner on).
-MT-Bench turn 1 for all but the copy modes, which answer MT-Redundant turn 2 (turn 1's
-greedy answer from `none` in the history) and are compared with `none` on the same turn.
+Every mode answers MT-Bench turn 1; the copy modes answer MT-Redundant turn 2 as well (turn
+1's greedy answer from `none` in the history), where copyspec+draft is compared with copyspec.
 
 A batch of B is B requests submitted at once to one in-process engine (continuous
 batching; no HTTP), the wall time from submission to the last token. Each batch size runs
@@ -38,21 +38,22 @@ from bench.mt import turn_prompts
 from engine.engine import Engine
 from engine.wire import EngineRequest, SamplingParams
 
-MODES = {  # mode -> (drafter, goodput planner, drafted tokens, companion, questions)
-    "none": ("none", True, 5, False, "mt-bench"),
-    "sd-k5": ("draft", False, 5, False, "mt-bench"),
-    "sd-k7": ("draft", False, 7, False, "mt-bench"),
-    "sd-planner": ("draft", True, 5, False, "mt-bench"),
-    "sv": ("draft", True, 5, True, "mt-bench"),
-    "copyspec": ("copyspec", True, 5, False, "mt-redundant"),
-    "copyspec+draft": ("copyspec+draft", True, 5, False, "mt-redundant"),
+MODES = {  # mode -> (drafter, goodput planner, drafted tokens, companion)
+    "none": ("none", True, 5, False),
+    "sd-k5": ("draft", False, 5, False),
+    "sd-k7": ("draft", False, 7, False),
+    "sd-planner": ("draft", True, 5, False),
+    "sv": ("draft", True, 5, True),
+    "copyspec": ("copyspec", True, 5, False),
+    "copyspec+draft": ("copyspec+draft", True, 5, False),
 }
+RUNS = [(mode, "mt-bench") for mode in MODES] + [("copyspec", "mt-redundant"), ("copyspec+draft", "mt-redundant")]
 DEFAULT_DRAFT, DEFAULT_COMPANION = "early-exit:29", "early-exit:24"  # see the results' README section
 TEMPERATURES = (0.0, 0.7)
 
 
 def mode_engine(args, engine_config_from_args, mode: str) -> Engine:
-    drafter, planner, num_tokens, companion, _ = MODES[mode]
+    drafter, planner, num_tokens, companion = MODES[mode]
     config = engine_config_from_args(args, drafter)
     engine = Engine(replace(
         config,
@@ -140,7 +141,7 @@ def run_models_benchmark(args: argparse.Namespace, engine_config_from_args, toke
             params = SamplingParams(temperature=temperature, max_tokens=args.max_new_tokens, seed=None)
             results = level_results(engines, prompts, batch, rounds(batch, args.min_requests), params, level)
             rows += level_rows(batch, temperature, results, engines["none"].runner.model)
-            print(json.dumps(rows[-len(MODES):], default=str), flush=True)
+            print(json.dumps(rows[-len(RUNS):], default=str), flush=True)
     calibration = out_dir / "calibration.json"
     results = {"command": "specserve " + shlex.join(sys.argv[1:]), "summary": rows, "draft_model": draft_model(args),
                "companion_model": companion_model(args), "max_new_tokens": args.max_new_tokens,
@@ -152,36 +153,42 @@ def run_models_benchmark(args: argparse.Namespace, engine_config_from_args, toke
 
 
 def level_results(engines: dict, prompts: dict, batch: int, num_rounds: int, params: SamplingParams, level: int) -> dict:
-    """Per mode, the totals of NUM_ROUNDS batches of B, the modes taking turns within each round (the order reversed
-    every other round, and every other level)."""
-    batches = {mode: [] for mode in MODES}
+    """Per (mode, questions), the totals of NUM_ROUNDS batches of B, the runs taking turns within each round (the order
+    reversed every other round, and every other level)."""
+    batches = {run: [] for run in RUNS}
     for round_index in range(num_rounds):
-        for mode in (list(MODES) if (level + round_index) % 2 == 0 else list(MODES)[::-1]):
-            questions = wave(prompts[MODES[mode][4]], round_index, batch)
-            batches[mode].append(run_batch(engines[mode], questions, params))
-    return {mode: totals(mode_batches) for mode, mode_batches in batches.items()}
+        for mode, questions in (RUNS if (level + round_index) % 2 == 0 else RUNS[::-1]):
+            batch_prompts = wave(prompts[questions], round_index, batch)
+            batches[mode, questions].append(run_batch(engines[mode], batch_prompts, params))
+    return {run: totals(run_batches) for run, run_batches in batches.items()}
 
 
 def level_rows(batch: int, temperature: float, results: dict, model) -> list[dict]:
+    """A row per run: MT-Bench runs against `none`, and copyspec+draft against copyspec on the same questions."""
     rows = []
-    for mode in MODES:
-        result = results[mode]
-        baseline = results["none"] if MODES[mode][4] == "mt-bench" else None
-        identical = None
-        if temperature == 0.0 and baseline is not None:
-            identical = all(divergence_verdict(model, p, a, b) != "mismatch"
-                            for p, a, b in zip(baseline["prompts"], baseline["outputs"], result["outputs"]))
-        row = {"batch_size": batch, "temperature": temperature, "mode": mode, "questions": MODES[mode][4],
-               "all_identical_to_baseline": identical}
+    for mode, questions in RUNS:
+        result = results[mode, questions]
+        row = {"batch_size": batch, "temperature": temperature, "mode": mode, "questions": questions,
+               "all_identical_to_baseline": None}
         row.update({k: v for k, v in result.items() if k not in ("prompts", "outputs")})
-        if baseline is not None:
-            row["speedup_vs_none"] = result["tokens_per_s"] / baseline["tokens_per_s"]
+        if questions == "mt-bench":
+            row.update(compared(result, results["none", questions], temperature, model, "none"))
+        if mode == "copyspec+draft":
+            row.update(compared(result, results["copyspec", questions], temperature, model, "copyspec"))
         rows.append(row)
-    copy, both, row = results["copyspec"], results["copyspec+draft"], rows[list(MODES).index("copyspec+draft")]
-    if temperature == 0.0:
-        row["all_identical_to_copyspec"] = copy["outputs"] == both["outputs"]
-    row["speedup_vs_copyspec"] = both["tokens_per_s"] / copy["tokens_per_s"]
     return rows
+
+
+def compared(result: dict, baseline: dict, temperature: float, model, name: str) -> dict:
+    """RESULT's speed as a multiple of BASELINE's, and for greedy runs whether every output equals it (near-ties judged
+    as in bench/exactness.py)."""
+    key = "baseline" if name == "none" else name
+    out = {f"speedup_vs_{name}": result["tokens_per_s"] / baseline["tokens_per_s"]}
+    if temperature == 0.0:
+        out[f"all_identical_to_{key}"] = all(
+            divergence_verdict(model, p, a, b) != "mismatch"
+            for p, a, b in zip(baseline["prompts"], baseline["outputs"], result["outputs"]))
+    return out
 
 
 def markdown(results: dict) -> str:
@@ -191,7 +198,8 @@ def markdown(results: dict) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results["summary"]:
         rejected = f"{r['rejected_share']:.2f}" if r["rejected_share"] is not None else "–"
-        speedup = f"{r['speedup_vs_none']:.2f}" if "speedup_vs_none" in r else f"{r['speedup_vs_copyspec']:.2f} × copyspec" if "speedup_vs_copyspec" in r else "–"
+        speedup = " · ".join(f"{r[key]:.2f}{label}" for key, label in (("speedup_vs_none", ""), ("speedup_vs_copyspec", " × copyspec"))
+                             if key in r) or "–"
         same = r["all_identical_to_baseline"] if r["all_identical_to_baseline"] is not None else r.get("all_identical_to_copyspec")
         identical = {None: "–", True: "yes", False: "NO"}[same]
         lines.append(f"| {r['batch_size']} | {r['temperature']} | {r['mode']} | {r['questions']} | {r['tokens_per_s']:.1f} | "
