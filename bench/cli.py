@@ -33,6 +33,8 @@ def add_bench_parser(commands, add_engine_flags) -> None:
     bench.add_argument("--grid-limit", type=int, default=5, help="ngram: questions per set of the k x w grid (0: no grid)")
     bench.add_argument("--grid-max-new-tokens", type=int, default=96, help="ngram: new tokens per grid generation")
     bench.add_argument("--concurrency", type=parse_ints, default=(1, 4, 16, 32, 64), help="concurrency: client counts")
+    bench.add_argument("--modes", type=parse_model_modes, default=None,
+                       help="models: comma list of the modes to run ('none' always runs; default: all)")
     bench.add_argument("--min-requests", type=int, default=16,
                        help="models: rounds of B requests at each batch size B until at least this many were answered")
     bench.add_argument("--requests-per-client", type=int, default=2, help="concurrency: turn-2 requests per client and level")
@@ -66,6 +68,15 @@ def parse_peers(text: str) -> tuple[str, ...]:
     if not set(peers) <= set(PEERS):
         raise argparse.ArgumentTypeError(f"peers are {PEERS}")
     return peers
+
+
+def parse_model_modes(text: str) -> tuple[str, ...]:
+    from bench.models import MODES
+
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    if not set(modes) <= set(MODES):
+        raise argparse.ArgumentTypeError(f"modes are {tuple(MODES)}")
+    return ("none", *(m for m in modes if m != "none"))
 
 
 def parse_turns(text: str) -> tuple[int, ...]:

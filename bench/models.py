@@ -18,8 +18,12 @@ requests were answered, every mode taking its turn within a round (the order rev
 every other round), so that the machine's drift hits all modes alike; a row's figures are
 the totals over its rounds. Sessions are off: no mode starts a batch from a cached prefix
 or drafter state that an earlier round left behind. Greedy rows say
-whether every output equals `none`'s (near-ties judged as in bench/exactness.py);
-sampled rows (temperature 0.7) cannot be compared token for token.
+whether every output equals `none`'s (near-ties judged as in bench/exactness.py).
+Sampled requests (temperature 0.7) are seeded by their question, the same seed in every
+mode: plain decoding and point-mass drafts (CopySpec) then sample the very same tokens
+(engine/verifier.py), and a model's sampled draft changes them only from the first one
+the target verifies on, so that sampled rows compare like with like as far as the method
+allows (they are not compared token for token).
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+
+import msgspec
 
 from bench.data import load_questions
 from bench.exactness import divergence_verdict
@@ -77,12 +83,13 @@ def companion_model(args) -> str:
     return args.companion_model or DEFAULT_COMPANION
 
 
-def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
-    """Submit every prompt at once; outputs, seconds and speculation totals."""
+def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None) -> dict:
+    """Submit every prompt at once (a sampled one seeded with its seed in SEEDS); outputs, seconds and speculation totals."""
     ids = [f"b{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    seeds = seeds if seeds is not None and not params.greedy else [params.seed] * len(prompts)
     start = time.perf_counter()
-    for request_id, prompt in zip(ids, prompts):
-        engine.add_request(EngineRequest(request_id, prompt, params))
+    for request_id, prompt, seed in zip(ids, prompts, seeds):
+        engine.add_request(EngineRequest(request_id, prompt, msgspec.structs.replace(params, seed=seed)))
     tokens = {request_id: [] for request_id in ids}
     spec = {}
     while engine.has_work:
@@ -112,9 +119,9 @@ def rounds(batch: int, min_requests: int) -> int:
     return max(1, math.ceil(min_requests / batch))
 
 
-def wave(prompts: list[list[int]], round_index: int, batch: int) -> list[list[int]]:
-    """The round's B questions: the next B after the rounds before, from the start again past the end."""
-    return [prompts[(round_index * batch + i) % len(prompts)] for i in range(batch)]
+def wave(num_questions: int, round_index: int, batch: int) -> list[int]:
+    """The indices of the round's B questions: the next B after the rounds before, from the start again past the end."""
+    return [(round_index * batch + i) % num_questions for i in range(batch)]
 
 
 def question_prompts(args, tokenizer, baseline: Engine) -> dict[str, list[list[int]]]:
@@ -133,15 +140,17 @@ def greedy(args) -> SamplingParams:
 
 def run_models_benchmark(args: argparse.Namespace, engine_config_from_args, tokenizer, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)  # before the run: a path that cannot be a folder fails now, not after it
-    engines = {mode: mode_engine(args, engine_config_from_args, mode) for mode in MODES}
+    modes = args.modes or tuple(MODES)
+    runs = [(mode, questions) for mode, questions in RUNS if mode in modes]
+    engines = {mode: mode_engine(args, engine_config_from_args, mode) for mode in modes}
     prompts = question_prompts(args, tokenizer, engines["none"])
     rows = []
     for level, batch in enumerate(args.concurrency):
         for temperature in TEMPERATURES:
             params = SamplingParams(temperature=temperature, max_tokens=args.max_new_tokens, seed=None)
-            results = level_results(engines, prompts, batch, rounds(batch, args.min_requests), params, level)
+            results = level_results(engines, prompts, runs, batch, rounds(batch, args.min_requests), params, level)
             rows += level_rows(batch, temperature, results, engines["none"].runner.model)
-            print(json.dumps(rows[-len(RUNS):], default=str), flush=True)
+            print(json.dumps(rows[-len(runs):], default=str), flush=True)
     calibration = out_dir / "calibration.json"
     results = {"command": "specserve " + shlex.join(sys.argv[1:]), "summary": rows, "draft_model": draft_model(args),
                "companion_model": companion_model(args), "max_new_tokens": args.max_new_tokens,
@@ -152,28 +161,30 @@ def run_models_benchmark(args: argparse.Namespace, engine_config_from_args, toke
     return results
 
 
-def level_results(engines: dict, prompts: dict, batch: int, num_rounds: int, params: SamplingParams, level: int) -> dict:
+def level_results(
+    engines: dict, prompts: dict, runs: list[tuple[str, str]], batch: int, num_rounds: int, params: SamplingParams, level: int,
+) -> dict:
     """Per (mode, questions), the totals of NUM_ROUNDS batches of B, the runs taking turns within each round (the order
     reversed every other round, and every other level)."""
-    batches = {run: [] for run in RUNS}
+    batches = {run: [] for run in runs}
     for round_index in range(num_rounds):
-        for mode, questions in (RUNS if (level + round_index) % 2 == 0 else RUNS[::-1]):
-            batch_prompts = wave(prompts[questions], round_index, batch)
-            batches[mode, questions].append(run_batch(engines[mode], batch_prompts, params))
+        for mode, questions in (runs if (level + round_index) % 2 == 0 else runs[::-1]):
+            indices = wave(len(prompts[questions]), round_index, batch)
+            batch_prompts = [prompts[questions][i] for i in indices]
+            batches[mode, questions].append(run_batch(engines[mode], batch_prompts, params, seeds=indices))
     return {run: totals(run_batches) for run, run_batches in batches.items()}
 
 
 def level_rows(batch: int, temperature: float, results: dict, model) -> list[dict]:
     """A row per run: MT-Bench runs against `none`, and copyspec+draft against copyspec on the same questions."""
     rows = []
-    for mode, questions in RUNS:
-        result = results[mode, questions]
+    for (mode, questions), result in results.items():
         row = {"batch_size": batch, "temperature": temperature, "mode": mode, "questions": questions,
                "all_identical_to_baseline": None}
         row.update({k: v for k, v in result.items() if k not in ("prompts", "outputs")})
         if questions == "mt-bench":
             row.update(compared(result, results["none", questions], temperature, model, "none"))
-        if mode == "copyspec+draft":
+        if mode == "copyspec+draft" and ("copyspec", questions) in results:
             row.update(compared(result, results["copyspec", questions], temperature, model, "copyspec"))
         rows.append(row)
     return rows

@@ -7,8 +7,7 @@ def test_each_batch_size_runs_rounds_until_the_minimum_of_requests_and_at_least_
 
 
 def test_each_round_asks_the_next_questions_and_wraps_past_the_end():
-    prompts = [[i] for i in range(5)]
-    assert [wave(prompts, r, 2) for r in range(3)] == [[[0], [1]], [[2], [3]], [[4], [0]]]
+    assert [wave(5, r, 2) for r in range(3)] == [[0, 1], [2, 3], [4, 0]]
 
 
 def test_a_rows_figures_are_totals_over_its_rounds_not_means_of_their_ratios():
