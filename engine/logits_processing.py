@@ -65,9 +65,12 @@ def _penalises_counts(params: SamplingParams) -> bool:
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, seen: set[int], penalty: float) -> None:
+    """Seen tokens' positive logits divided by PENALTY, negative ones multiplied; kept finite, so that an extreme
+    penalty the API accepts (any > 0: 5e-324 is 0 in float32) cannot make the distribution NaN."""
     ids = torch.tensor(list(seen), dtype=torch.long)
     values = logits[ids]
-    logits[ids] = torch.where(values > 0, values / penalty, values * penalty)
+    limit = torch.finfo(logits.dtype).max
+    logits[ids] = torch.where(values > 0, values / penalty, values * penalty).nan_to_num().clamp(-limit, limit)
 
 
 def _apply_count_penalties(logits: torch.Tensor, generated: Counter, params: SamplingParams) -> None:

@@ -1,5 +1,6 @@
 """Penalties, logit bias and a grammar's mask as plain decoding applies them, and verification walking through them."""
 import json
+import math
 
 import pytest
 import torch
@@ -39,6 +40,16 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_p
     logits = torch.tensor([2.0, -2.0, 2.0, -2.0, 2.0, 0, 0, 0])
     processed = LogitsProcessor(request([0, 1], [2], repetition_penalty=2.0), no_grammars()).apply(logits)
     assert processed.tolist() == [1.0, -4.0, 1.0, -2.0, 2.0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-40, 1e308])
+def test_an_extreme_repetition_penalty_keeps_the_distribution_finite(penalty):
+    # the API takes any penalty > 0; 5e-324 and 1e-40 are 0 in float32, so division alone gives inf and then NaN
+    logits = torch.tensor([2.0, -2.0, 3.0, -2.0, 2.0, 0, 0, 0])
+    processed = LogitsProcessor(request([0, 1], [2], repetition_penalty=penalty), no_grammars()).apply(logits)
+    assert torch.isfinite(processed).all()
+    assert math.isfinite(token_logprob(processed, 2, SamplingParams(temperature=0.0, logprobs=0)).logprob)
+    assert not torch.softmax(processed, dim=-1).isnan().any()
 
 
 def test_bias_is_added_after_the_penalties_and_emitted_tokens_count_at_later_positions():
