@@ -69,8 +69,7 @@ def _apply_repetition_penalty(logits: torch.Tensor, seen: set[int], penalty: flo
     penalty the API accepts (any > 0: 5e-324 is 0 in float32) cannot make the distribution NaN."""
     ids = torch.tensor(list(seen), dtype=torch.long)
     values = logits[ids]
-    limit = torch.finfo(logits.dtype).max
-    logits[ids] = torch.where(values > 0, values / penalty, values * penalty).nan_to_num().clamp(-limit, limit)
+    logits[ids] = torch.where(values > 0, values / penalty, values * penalty).nan_to_num()  # ±inf -> the dtype's limits
 
 
 def _apply_count_penalties(logits: torch.Tensor, generated: Counter, params: SamplingParams) -> None:
