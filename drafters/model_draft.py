@@ -2,8 +2,8 @@
 
 The draft model runs autoregressively, all drafting requests batched in one packed
 forward per drafted position, for as many tokens as the scheduler allowed each request
-this step (`DraftForward.reserve`, asked for the requests about to draft: the scheduler
-reserves their KV blocks, and its goodput planner may allow none). Each drafted token is
+this step (`DraftForward.reserve`, asked for the requests about to draft, beside the rest
+of the batch: the scheduler reserves their KV blocks, and its goodput planner may allow none). Each drafted token is
 the draft model's argmax for a greedy request; for a sampled request it is drawn from the
 draft distribution q — the draft model's logits after the request's temperature, top-k and
 top-p, the processing the target's p gets — and q is kept here, for the verifier's
@@ -124,8 +124,10 @@ class ModelDrafter(DrafterBase):
         state = self._states.get(req.request_id)
         return state.probs if state else None
 
-    def propose(self, reqs: Sequence[DraftableRequest]) -> list[Draft]:
-        allowed = self.forward.reserve(list(reqs))
+    def propose(self, reqs: Sequence[DraftableRequest], beside: Sequence[tuple[DraftableRequest, Draft]] = ()) -> list[Draft]:
+        """Drafts for REQS; BESIDE: the rest of the batch's decoding requests with their drafts, which the scheduler
+        weighs the draft's cost against."""
+        allowed = self.forward.reserve(list(reqs), list(beside))
         budgets = {req.request_id: min(allowed.get(req.request_id, 0), self.max_tokens) for req in reqs}
         drafting = [req for req in reqs if budgets[req.request_id] > 0]
         drafted: dict[str, list[int]] = {req.request_id: [] for req in drafting}
@@ -216,7 +218,8 @@ class CopyThenDraft(DrafterBase):
     def propose(self, reqs: Sequence[DraftableRequest]) -> list[Draft]:
         drafts = self.copy.propose(reqs)
         uncovered = [i for i, draft in enumerate(drafts) if not len(draft)]
-        for i, draft in zip(uncovered, self.model.propose([reqs[i] for i in uncovered])):
+        copied = [(req, draft) for req, draft in zip(reqs, drafts) if len(draft)]
+        for i, draft in zip(uncovered, self.model.propose([reqs[i] for i in uncovered], copied)):
             drafts[i] = draft
         return drafts
 

@@ -100,15 +100,16 @@ class DraftForward:
     """What the draft drafter is lent: packed forwards of chains over the draft model, addressed by request, with
     KV at the slots of the scheduler's block tables, and `reserve`: how many tokens each of the requests that are
     about to draft with the model may draft this step (the engine wires it to the scheduler, which decides it and
-    reserves their blocks; asked only for the requests the model drafts for, so that copy-covered requests of
-    `copyspec+draft` neither weigh in the decision nor hold blocks)."""
+    reserves their blocks). It is asked for the requests the model drafts for, beside the rest of the batch with
+    the drafts they have: copy-covered requests of `copyspec+draft` hold no blocks for the model and gain nothing
+    from it, but the draft's forwards delay them too."""
 
     def __init__(self, draft: DraftModel, runner: PackedModelRunner, blocks: KVBlockManager) -> None:
         self.name = draft.name
         self.shares_target_kv = draft.shares_target_kv
         self.runner = runner
         self.blocks = blocks
-        self.reserve: Callable[[list], dict[str, int]] = lambda reqs: {}  # requests -> request id -> tokens
+        self.reserve: Callable[[list, list], dict[str, int]] = lambda reqs, beside: {}  # -> request id -> tokens
         self.latency_profile: dict[int, float] = {}  # seconds of a forward by tokens, profiled at start-up
 
     def __call__(self, chains: list[tuple[str, list[int], int]], num_logits: list[int] | None = None) -> list[torch.Tensor]:

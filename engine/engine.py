@@ -230,12 +230,15 @@ class Engine:
         start = time.perf_counter()
         self.scheduler.set_drafts(decoding, self._grammatical(decoding, self.speculation.propose(decoding)))
         draft_seconds = time.perf_counter() - start if self.draft_forward else 0.0
+        if self.draft_forward:
+            self.scheduler.observe_drafting_seconds(draft_seconds)
         self._add_cache_stats(update.stats)
         return draft_seconds
 
-    def _reserve_model_drafts(self, reqs: list[Request]) -> dict[str, int]:
-        """For the requests about to draft with the draft model, how many tokens each may draft (their blocks reserved)."""
-        return self.scheduler.reserve_model_drafts(reqs, self.num_draft_tokens, "draft")
+    def _reserve_model_drafts(self, reqs: list[Request], beside: list[tuple[Request, Draft]]) -> dict[str, int]:
+        """For the requests about to draft with the draft model, how many tokens each may draft (their blocks reserved),
+        beside the rest of the batch's drafts."""
+        return self.scheduler.reserve_model_drafts(reqs, self.num_draft_tokens, "draft", beside)
 
     def _grammatical(self, reqs: list[Request], drafts: list[Draft]) -> list[Draft]:
         """Drafts cut to what each request's grammar allows, so that forbidden tokens are never verified."""

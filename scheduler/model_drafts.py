@@ -3,16 +3,25 @@
 Drafting k tokens costs k forwards of the draft model over the batch before the target
 verifies anything, so whether to draft is decided before drafting. Without the goodput
 planner every request drafts k tokens (fixed-k speculative decoding). With it, the batch
-drafts the depth d in 0..k whose expected goodput is best:
+drafts the depth d in 0..k whose expected goodput over the whole next step is best:
 
-    goodput(d) = B (1 + sum_{i<=d} P_i) / (target(B (1 + d)) + d draft(B) + companion(B d)),
+    goodput(d) = (E + B (1 + sum_{i<=d} P_i)) / (target(N + B (1 + d)) + d draft(B) + companion(B d)),
 
-where P_i is the probability that the i-th drafted token is on the accepted path (the
-product of the acceptance estimates of depths 1..i, averaged over the batch), target(n),
-draft(n) and companion(n) the profiled latencies of a forward over n tokens (the
-companion, when there is one, scores every drafted token in one forward). B counts only the
-requests about to draft with the model (under `copyspec+draft`, those CopySpec left without a
-draft), since only they gain from it.
+where B counts the requests about to draft with the model, P_i is the probability that the
+i-th drafted token is on the accepted path (the product of the acceptance estimates of
+depths 1..i, averaged over them), target(n), draft(n) and companion(n) the latencies of a
+forward over n tokens (the companion, when there is one, scores every drafted token in one
+forward), and N and E the tokens the rest of the batch is expected to have verified and to
+yield (under `copyspec+draft`, the requests CopySpec drafted for, each with the part of its
+draft the planner would verify). The rest matters: the draft model's forwards delay every
+request of the step, and a few uncovered requests beside many copying ones gain too little
+to pay for that (weighing them alone made `copyspec+draft` draft at batch 64 and lose 20 %
+to CopySpec on MT-Redundant).
+
+The latencies are the start-up profiles plus what real steps cost on top of them, as
+measured: the target's step overhead (scheduler/scheduler.py) and the draft's, a running
+mean of the measured drafting time beyond the predicted, per draft forward — at a real
+batch's contexts a forward of the draft costs more than the profile's one request.
 
 d = 0 turns the draft model off; it then drafts one token anyway (a probe) once the steps
 it stayed off have cost 1/share times that one-token draft, so that its acceptance keeps
@@ -29,30 +38,31 @@ step's update gives back what was not accepted.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from drafters.base import Draft
 from scheduler.acceptance import AcceptanceEstimator
 from scheduler.draft_selection import draft_depth_limit
 from scheduler.kv_blocks import KVBlockManager
-from scheduler.planner import PlannedTree, path_probabilities
+from scheduler.planner import PlannedTree, expected_accepted, path_probabilities, plan_verification
 from scheduler.request import Request
 
 EXPLORE_SHARE = 0.02  # of the step time, spent on one-token drafts right after the planner turned drafting off
 MIN_EXPLORE_SHARE = 0.002  # ... and after it kept it off through many probes
+OVERHEAD_SMOOTHING = 0.1  # weight of the latest drafting in the running mean of the draft's measured overhead
 
 
 def best_draft_depth(
-    path_probs: list[float], batch: int, target_seconds: Callable[[int], float], draft_seconds: Callable[[int], float],
-    companion_seconds: Callable[[int], float] = lambda num_tokens: 0.0,
+    path_probs: list[float], batch: int, step_seconds: Callable[[int], float], rest_expected: float = 0.0,
 ) -> int:
-    """The depth d in 0..len(path_probs) with the best expected goodput for a batch of BATCH decoding requests."""
-    best_depth, best = 0, batch / target_seconds(batch)
-    expected = float(batch)
+    """The depth d in 0..len(path_probs) with the best expected goodput of a step in which BATCH decoding requests draft
+    d tokens each: STEP_SECONDS(d) is that step's time, drafting included; REST_EXPECTED the tokens the rest of the
+    batch is expected to yield."""
+    expected = rest_expected + batch
+    best_depth, best = 0, expected / step_seconds(0)
     for depth, probability in enumerate(path_probs, start=1):
         expected += batch * probability
-        seconds = target_seconds(batch * (1 + depth)) + depth * draft_seconds(batch) + companion_seconds(batch * depth)
-        goodput = expected / seconds
+        goodput = expected / step_seconds(depth)
         if goodput > best * (1 + 1e-9):
             best_depth, best = depth, goodput
     return best_depth
@@ -68,32 +78,66 @@ class ModelDraftBudget:
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.target_seconds = target_seconds  # None: no planner, every request drafts the most it may
-        self.draft_seconds = draft_seconds
+        self.draft_seconds = draft_seconds  # the start-up profile
         self.companion_seconds = companion_seconds or (lambda num_tokens: 0.0)
+        self.draft_overhead_seconds = 0.0  # running mean of measured drafting time beyond the predicted, per forward
         self.steps_off = 0  # steps the planner kept drafting off since the last probe
         self.probes_off = 0  # probes since the planner last chose to draft
+        self._drafting = (0, 0)  # depth and batch of the drafting just reserved, until its time is observed
 
-    def reserve(self, reqs: list[Request], max_tokens: int, source: str) -> dict[str, int]:
-        """Per request id, how many tokens it drafts with SOURCE's model next; their KV blocks are reserved."""
-        depth = self._depth(reqs, max_tokens, source)
+    def reserve(
+        self, reqs: list[Request], max_tokens: int, source: str, beside: Sequence[tuple[Request, Draft]] = (),
+    ) -> dict[str, int]:
+        """Per request id, how many tokens it drafts with SOURCE's model next; their KV blocks are reserved. BESIDE: the
+        rest of the batch's decoding requests, with the drafts they have."""
+        depth = self._depth(reqs, max_tokens, source, beside)
+        self._drafting = (depth, len(reqs))
         return {req.request_id: self._reserve(req, min(depth, draft_depth_limit(req, self.max_model_len))) for req in reqs}
 
-    def _depth(self, reqs: list[Request], max_tokens: int, source: str) -> int:
+    def observe_drafting_seconds(self, seconds: float) -> None:
+        """The measured time of the drafting last reserved: the draft's overhead learns from it."""
+        (depth, batch), self._drafting = self._drafting, (0, 0)
+        if depth and self.draft_seconds is not None:
+            error = seconds - self._drafting_seconds(depth, batch)
+            self.draft_overhead_seconds += OVERHEAD_SMOOTHING * error / depth
+
+    def _depth(self, reqs: list[Request], max_tokens: int, source: str, beside: Sequence[tuple[Request, Draft]]) -> int:
         if self.target_seconds is None or self.draft_seconds is None or not reqs:
             return max_tokens
         probe = Draft([0] * max_tokens, source)
         by_request = [path_probabilities(PlannedTree(probe.parents, self.estimator.estimate(req, probe))) for req in reqs]
         mean = [sum(column) / len(reqs) for column in zip(*by_request)]
-        depth = best_draft_depth(mean, len(reqs), self.target_seconds, self.draft_seconds, self.companion_seconds)
+        rest_tokens, rest_expected = self._rest(beside)
+        batch = len(reqs)
+
+        def step_seconds(depth: int) -> float:
+            return self.target_seconds(rest_tokens + batch * (1 + depth)) + self._drafting_seconds(depth, batch)
+
+        depth = best_draft_depth(mean, batch, step_seconds, rest_expected)
         if depth:
             self.steps_off = self.probes_off = 0
             return depth
         self.steps_off += 1
-        if self.steps_off * self.explore_share * self.target_seconds(len(reqs)) < self.draft_seconds(len(reqs)):
+        if self.steps_off * self.explore_share * step_seconds(0) < self._drafting_seconds(1, batch):
             return 0
         self.steps_off = 0
         self.probes_off += 1
         return 1
+
+    def _drafting_seconds(self, depth: int, batch: int) -> float:
+        """Predicted seconds of BATCH requests drafting DEPTH tokens each, the companion's scoring included."""
+        if not depth:
+            return 0.0
+        per_forward = max(self.draft_seconds(batch) + self.draft_overhead_seconds, 1e-6)
+        return depth * per_forward + self.companion_seconds(batch * depth)
+
+    def _rest(self, beside: Sequence[tuple[Request, Draft]]) -> tuple[int, float]:
+        """Tokens the rest of the batch is expected to have verified, and to yield: each request's last token and
+        the part of its draft the planner would verify."""
+        trees = [PlannedTree(draft.parents, self.estimator.estimate(req, draft)) for req, draft in beside]
+        chosen = plan_verification(trees, len(trees), float(len(trees)), self.target_seconds)
+        verified = len(trees) + sum(map(len, chosen))
+        return verified, len(trees) + sum(expected_accepted(tree, nodes) for tree, nodes in zip(trees, chosen))
 
     @property
     def explore_share(self) -> float:

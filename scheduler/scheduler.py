@@ -8,6 +8,8 @@ drafted tokens are verified (draft_selection.py), and the update after verificat
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from drafters.base import Draft
 from scheduler.acceptance import AcceptanceEstimator, TreeAcceptance
 from scheduler.admission import Admission, QueueFullError
@@ -96,9 +98,16 @@ class Scheduler:
         self.admission.finish(req, reason)
         self.estimator.forget(req.request_id)
 
-    def reserve_model_drafts(self, reqs: list[Request], max_tokens: int, source: str) -> dict[str, int]:
-        """Per request id, how many tokens it drafts with a model before the next step (scheduler/model_drafts.py)."""
-        return self.model_drafts.reserve(reqs, max_tokens, source)
+    def reserve_model_drafts(
+        self, reqs: list[Request], max_tokens: int, source: str, beside: Sequence[tuple[Request, Draft]] = (),
+    ) -> dict[str, int]:
+        """Per request id, how many tokens it drafts with a model before the next step, BESIDE the rest of the batch's
+        drafts (scheduler/model_drafts.py)."""
+        return self.model_drafts.reserve(reqs, max_tokens, source, beside)
+
+    def observe_drafting_seconds(self, seconds: float) -> None:
+        """What the model drafting last reserved took, measured."""
+        self.model_drafts.observe_drafting_seconds(seconds)
 
     def set_drafts(self, reqs: list[Request], drafts: list[Draft]) -> None:
         for req, draft in zip(reqs, drafts):

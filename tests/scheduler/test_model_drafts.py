@@ -1,5 +1,6 @@
 """How many tokens requests draft with a model: the batch's depth by expected goodput, blocks reserved for them."""
 from engine.wire import SamplingParams
+from drafters.base import Draft
 from scheduler.acceptance import TreeAcceptance
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.model_drafts import EXPLORE_SHARE, MIN_EXPLORE_SHARE, ModelDraftBudget, best_draft_depth
@@ -14,19 +15,31 @@ def linear(per_token: float, fixed: float):
     return lambda num_tokens: fixed + per_token * num_tokens
 
 
+def step(target, draft, batch: int, rest_tokens: int = 0):
+    """A step's seconds by depth when BATCH requests draft, beside REST_TOKENS verified for the rest of the batch."""
+    return lambda depth: target(rest_tokens + batch * (1 + depth)) + depth * draft(batch)
+
+
 def test_a_cheap_draft_that_is_often_accepted_drafts_deep():
     # verifying costs little more than decoding; drafting is a tenth of a forward; 90% acceptance
-    assert best_draft_depth([0.9 ** i for i in range(1, 6)], 4, linear(0.001, 0.1), linear(0.0001, 0.01)) == 5
+    assert best_draft_depth([0.9 ** i for i in range(1, 6)], 4, step(linear(0.001, 0.1), linear(0.0001, 0.01), 4)) == 5
 
 
 def test_a_draft_that_costs_a_target_forward_is_turned_off():
-    assert best_draft_depth([0.6 ** i for i in range(1, 6)], 4, linear(0.001, 0.1), linear(0.001, 0.1)) == 0
+    assert best_draft_depth([0.6 ** i for i in range(1, 6)], 4, step(linear(0.001, 0.1), linear(0.001, 0.1), 4)) == 0
 
 
 def test_depth_stops_where_acceptance_no_longer_pays_for_the_verified_tokens():
     # each verified token costs 10% of a forward: the first few pay, the unlikely last ones do not
-    depth = best_draft_depth([0.8, 0.5, 0.2, 0.05, 0.01], 1, linear(0.01, 0.1), linear(0.0, 0.001))
+    depth = best_draft_depth([0.8, 0.5, 0.2, 0.05, 0.01], 1, step(linear(0.01, 0.1), linear(0.0, 0.001), 1))
     assert 1 <= depth < 5
+
+
+def test_a_draft_that_pays_for_one_request_alone_does_not_pay_for_a_step_it_delays_for_many():
+    path_probs, target, draft = [0.7 ** i for i in range(1, 6)], linear(0.001, 0.02), linear(0.0005, 0.005)
+    assert best_draft_depth(path_probs, 1, step(target, draft, 1)) > 0
+    # beside 30 copying requests verifying 150 tokens for 83 expected: its gain is small against their delay
+    assert best_draft_depth(path_probs, 1, step(target, draft, 1, rest_tokens=150), rest_expected=83.0) == 0
 
 
 def budget(planned: bool, rate: float = 0.5):
@@ -73,3 +86,30 @@ def test_the_planner_turns_a_useless_draft_model_off_but_keeps_measuring_it_less
     assert gaps == [round(2 ** i / EXPLORE_SHARE) for i in range(4)] + [round(1 / MIN_EXPLORE_SHARE)] * 3  # 50 .. 400, 500s
     model_drafts.estimator.prior, model_drafts.draft_seconds = 0.99, linear(0.0001, 0.001)  # right and cheap now
     assert model_drafts.reserve([req], 5, "draft")["a"] > 0
+
+
+def test_the_rest_of_the_batch_with_its_drafts_can_turn_the_model_draft_off():
+    blocks = KVBlockManager(num_blocks=64, block_size=4)
+    model_drafts = ModelDraftBudget(TreeAcceptance(0.7, 1e6), blocks, 1024, linear(0.001, 0.02), linear(0.0005, 0.005))
+    req = decoding_request("a", 6, blocks)
+    assert model_drafts.reserve([req], 5, "draft")["a"] > 0
+    blocks.free("a")
+    req = decoding_request("a", 6, blocks)
+    copying = [decoding_request(f"c{i}", 6, blocks) for i in range(30)]
+    beside = [(other, Draft([7, 8, 9, 10], "copyspec")) for other in copying]
+    assert model_drafts.reserve([req], 5, "draft", beside)["a"] == 0
+
+
+def test_the_drafts_real_cost_is_learnt_from_measured_drafting_time():
+    # the profile says drafting is cheap, but each draft forward takes 0.2 s: twice a target forward
+    blocks = KVBlockManager(num_blocks=8, block_size=4)
+    model_drafts = ModelDraftBudget(TreeAcceptance(0.9, 1e6), blocks, 1024, linear(0.001, 0.1), linear(0.0001, 0.001))
+    req = decoding_request("a", 6, blocks)
+    depths = []
+    for _ in range(60):
+        depths.append(model_drafts.reserve([req], 5, "draft")["a"])
+        blocks.free("a")
+        blocks.grow("a", 6)
+        model_drafts.observe_drafting_seconds(0.2 * depths[-1])
+    assert depths[0] == 5 and depths[-1] == 0
+    assert 0.1 < model_drafts.draft_overhead_seconds < 0.2
