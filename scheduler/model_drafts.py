@@ -91,8 +91,10 @@ class ModelDraftBudget:
         """Per request id, how many tokens it drafts with SOURCE's model next; their KV blocks are reserved. BESIDE: the
         rest of the batch's decoding requests, with the drafts they have."""
         depth = self._depth(reqs, max_tokens, source, beside)
-        self._drafting = (depth, len(reqs))
-        return {req.request_id: self._reserve(req, min(depth, draft_depth_limit(req, self.max_model_len))) for req in reqs}
+        allowed = {req.request_id: self._reserve(req, min(depth, draft_depth_limit(req, self.max_model_len))) for req in reqs}
+        drafting = [num_tokens for num_tokens in allowed.values() if num_tokens]
+        self._drafting = (max(drafting, default=0), len(drafting))
+        return allowed
 
     def observe_drafting_seconds(self, seconds: float) -> None:
         """The measured time of the drafting last reserved: the draft's overhead learns from it."""

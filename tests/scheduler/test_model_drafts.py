@@ -113,3 +113,7 @@ def test_the_drafts_real_cost_is_learnt_from_measured_drafting_time():
         model_drafts.observe_drafting_seconds(0.2 * depths[-1])
     assert depths[0] == 5 and depths[-1] == 0
     assert 0.1 < model_drafts.draft_overhead_seconds < 0.2
+    learnt = model_drafts.draft_overhead_seconds
+    model_drafts.reserve([], 5, "draft")  # every request copied: the time measured was not the draft model's
+    model_drafts.observe_drafting_seconds(0.01)
+    assert model_drafts.draft_overhead_seconds == learnt
