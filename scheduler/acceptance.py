@@ -1,5 +1,6 @@
 """Acceptance estimates for drafted tokens: running statistics per drafter, draft depth and sibling rank,
-blended with the request's own history.
+blended with the request's own history of that drafter's drafts (a request that drafts from two sources, copying
+and a model under `copyspec+draft`, keeps them apart: a model's rejected drafts say nothing of its copies).
 
 The estimate of a node is the conditional probability that it is accepted given
 that its parent was (verification accepts at most one child of a node).
@@ -52,13 +53,13 @@ class TreeAcceptance:
         self.prior = prior
         self.prior_weight = prior_weight
         self.by_drafter: dict[str, Counts] = {}  # drafter -> counts over every request
-        self.by_request: dict[str, Counts] = {}  # request id -> its own counts
+        self.by_request: dict[str, dict[str, Counts]] = {}  # request id -> drafter -> its own counts
 
     def estimate(self, req: Request, draft: Draft) -> list[float]:
         if draft.acceptance is not None:
             return list(draft.acceptance)
         shared = self.by_drafter.get(draft.source, Counts())
-        own = self.by_request.get(req.request_id, Counts())
+        own = self.by_request.get(req.request_id, {}).get(draft.source, Counts())
         cache: dict[NodeKey, float] = {}
         return [
             self._shrink(own, key, self._shared_rate(shared, key, cache))
@@ -85,7 +86,7 @@ class TreeAcceptance:
 
     def observe(self, req: Request, draft: Draft, target_token_ids: list[int]) -> None:
         shared = self.by_drafter.setdefault(draft.source, Counts())
-        own = self.by_request.setdefault(req.request_id, Counts())
+        own = self.by_request.setdefault(req.request_id, {}).setdefault(draft.source, Counts())
         for key, was_accepted in scored_nodes(draft, target_token_ids):
             shared.add(key, was_accepted)
             own.add(key, was_accepted)

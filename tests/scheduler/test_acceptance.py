@@ -51,6 +51,18 @@ def test_a_requests_own_history_counts_and_is_forgotten_when_it_ends():
     estimator = TreeAcceptance(prior=0.5, prior_weight=1.0)
     req = make_request()
     estimator.observe(req, Draft([1], "copyspec"), [2])
-    assert estimator.by_request["r"].tried == {(1, 0): 1}
+    assert estimator.by_request["r"]["copyspec"].tried == {(1, 0): 1}
     estimator.forget("r")
     assert "r" not in estimator.by_request and estimator.by_drafter["copyspec"].tried == {(1, 0): 1}
+
+
+def test_a_requests_history_of_one_drafter_does_not_lower_its_estimates_for_another():
+    # copy first, model second: the model's drafts for a request are rejected, its copies accepted
+    estimator = TreeAcceptance(prior=0.5, prior_weight=4.0)
+    req = make_request()
+    for _ in range(20):
+        estimator.observe(req, Draft([1], "draft"), [2])
+        estimator.observe(req, Draft([3], "copyspec"), [3])
+    estimator.by_drafter.clear()  # only the request's own history is left
+    assert estimator.estimate(req, Draft([3], "copyspec"))[0] > 0.8
+    assert estimator.estimate(req, Draft([1], "draft"))[0] < 0.2
