@@ -106,21 +106,28 @@ class ModelDraftBudget:
     def _depth(self, reqs: list[Request], max_tokens: int, source: str, beside: Sequence[tuple[Request, Draft]]) -> int:
         if self.target_seconds is None or self.draft_seconds is None or not reqs:
             return max_tokens
-        probe = Draft([0] * max_tokens, source)
-        by_request = [path_probabilities(PlannedTree(probe.parents, self.estimator.estimate(req, probe))) for req in reqs]
-        mean = [sum(column) / len(reqs) for column in zip(*by_request)]
-        rest_tokens, rest_expected = self._rest(beside)
         batch = len(reqs)
+        rest_tokens, rest_expected = self._rest(beside)
 
         def step_seconds(depth: int) -> float:
             return self.target_seconds(rest_tokens + batch * (1 + depth)) + self._drafting_seconds(depth, batch)
 
-        depth = best_draft_depth(mean, batch, step_seconds, rest_expected)
+        depth = best_draft_depth(self._mean_path_probabilities(reqs, max_tokens, source), batch, step_seconds, rest_expected)
         if depth:
             self.steps_off = self.probes_off = 0
             return depth
+        return self._probe_depth(step_seconds(0), self._drafting_seconds(1, batch))
+
+    def _mean_path_probabilities(self, reqs: list[Request], max_tokens: int, source: str) -> list[float]:
+        """[max_tokens] the probability that a drafted token at each depth is on the accepted path, over REQS."""
+        probe = Draft([0] * max_tokens, source)
+        by_request = [path_probabilities(PlannedTree(probe.parents, self.estimator.estimate(req, probe))) for req in reqs]
+        return [sum(column) / len(reqs) for column in zip(*by_request)]
+
+    def _probe_depth(self, step_seconds: float, probe_seconds: float) -> int:
+        """1 (a one-token probe) once the steps drafting stayed off have cost 1 / share times the probe, else 0."""
         self.steps_off += 1
-        if self.steps_off * self.explore_share * step_seconds(0) < self._drafting_seconds(1, batch):
+        if self.steps_off * self.explore_share * step_seconds < probe_seconds:
             return 0
         self.steps_off = 0
         self.probes_off += 1
