@@ -55,15 +55,21 @@ def test_copy_first_asks_the_scheduler_for_model_drafts_only_for_requests_copysp
     engine = draft_engine(tiny_model_dir, "early-exit:1", "copyspec+draft", planner=True)
     asked, steps = [], []
     reserve, set_drafts = engine.scheduler.reserve_model_drafts, engine.scheduler.set_drafts
-    engine.scheduler.reserve_model_drafts = lambda reqs, *rest: asked.append({r.request_id for r in reqs}) or reserve(reqs, *rest)
-    engine.scheduler.set_drafts = lambda reqs, drafts: steps.append((asked[-1] if asked else set(), {
+
+    def record_reserve(reqs, max_tokens, source, beside):
+        asked.append(({r.request_id for r in reqs}, {r.request_id for r, _ in beside}))
+        return reserve(reqs, max_tokens, source, beside)
+
+    engine.scheduler.reserve_model_drafts = record_reserve
+    engine.scheduler.set_drafts = lambda reqs, drafts: steps.append((asked.pop() if asked else (set(), set()), {
         req.request_id: draft.source for req, draft in zip(reqs, drafts) if len(draft)})) or set_drafts(reqs, drafts)
     batch = prompts(6, seed=3)
     run_to_completion(engine, batch, [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * len(batch))
     copied = [{i for i, source in sources.items() if source == "copyspec"} for _, sources in steps]
     assert any(copied) and any("draft" in sources.values() for _, sources in steps), "both kinds of draft must be made"
-    for (asked_ids, _), copied_ids in zip(steps, copied):
-        assert not asked_ids & copied_ids  # a copied request neither weighs in the model's depth nor holds its blocks
+    for ((asked_ids, beside_ids), _), copied_ids in zip(steps, copied):
+        assert not asked_ids & copied_ids  # a copied request holds no blocks for the model...
+        assert beside_ids == copied_ids  # ...but weighs against it: the model's forwards delay it too
 
 
 def test_an_early_exit_shares_the_targets_weights_and_kv_pool(tiny_model_dir):
