@@ -5,12 +5,11 @@ forward per drafted position, for as many tokens as the scheduler allowed each r
 this step (`DraftForward.reserve`, asked for the requests about to draft, beside the rest
 of the batch: the scheduler reserves their KV blocks, and its goodput planner may allow
 none). Each drafted token is the draft model's argmax for a greedy request; for a sampled
-request it is drawn from the
-draft distribution q — the draft model's logits after the request's temperature, top-k and
-top-p, the processing the target's p gets — and q is kept here, for the verifier's
-min(1, p/q) test and residual (engine/verifier.py) and the companion's scores (a greedy
-request keeps the plain softmax, and only when a companion scores its drafts). q never
-leaves the engine process and never reaches the scheduler.
+request it is drawn from the draft distribution q — the draft model's logits after the
+request's temperature, top-k and top-p, the processing the target's p gets — and q is
+kept here, for the verifier's min(1, p/q) test and residual (engine/verifier.py) and the
+companion's scores (a greedy request keeps the plain softmax, and only when a companion
+scores its drafts). q never leaves the engine process and never reaches the scheduler.
 
 With a companion model (SV §4, engine/companion.py), one packed forward of it over
 every drafted token gives each token's (S, A), and its profiled table the acceptance

@@ -229,8 +229,9 @@ class Engine:
         decoding = [req for req in self.scheduler.running if req.is_decoding]
         start = time.perf_counter()
         self.scheduler.set_drafts(decoding, self._grammatical(decoding, self.speculation.propose(decoding)))
-        draft_seconds = time.perf_counter() - start if self.draft_forward else 0.0
+        draft_seconds = 0.0
         if self.draft_forward:
+            draft_seconds = time.perf_counter() - start
             self.scheduler.observe_drafting_seconds(draft_seconds)
         self._add_cache_stats(update.stats)
         return draft_seconds

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import bisect
 
+OVERHEAD_SMOOTHING = 0.1  # weight of the latest measurement in the running means of what real forwards cost beyond a profile
+
 
 class LatencyModel:
     """Piecewise-linear interpolation of profiled forward times (seconds) over token counts."""

@@ -44,12 +44,12 @@ from drafters.base import Draft
 from scheduler.acceptance import AcceptanceEstimator
 from scheduler.draft_selection import draft_depth_limit
 from scheduler.kv_blocks import KVBlockManager
+from scheduler.latency import OVERHEAD_SMOOTHING
 from scheduler.planner import PlannedTree, expected_accepted, path_probabilities, plan_verification
 from scheduler.request import Request
 
 EXPLORE_SHARE = 0.02  # of the step time, spent on one-token drafts right after the planner turned drafting off
 MIN_EXPLORE_SHARE = 0.002  # ... and after it kept it off through many probes
-OVERHEAD_SMOOTHING = 0.1  # weight of the latest drafting in the running mean of the draft's measured overhead
 
 
 def best_draft_depth(

@@ -16,7 +16,7 @@ from scheduler.admission import Admission, QueueFullError
 from scheduler.config import SchedulerConfig
 from scheduler.draft_selection import DraftSelector, attach_draft
 from scheduler.kv_blocks import KVBlockManager
-from scheduler.latency import LatencyModel
+from scheduler.latency import OVERHEAD_SMOOTHING, LatencyModel
 from scheduler.model_drafts import ModelDraftBudget
 from scheduler.planner import num_extra_paths
 from scheduler.records import ScheduledRequest, SchedulerOutput, StepStats, StepUpdate, Verification
@@ -25,9 +25,6 @@ from scheduler.sessions import SessionStore
 from scheduler.update import RequestUpdater, spec_step_stats
 
 __all__ = ["QueueFullError", "Scheduler"]
-
-OVERHEAD_SMOOTHING = 0.1  # weight of the latest step in the running mean of the measured step overhead
-
 
 class Scheduler:
     def __init__(
