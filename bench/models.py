@@ -16,7 +16,8 @@ batching; no HTTP), the wall time from submission to the last token. Each batch 
 rounds of such batches, on the next B questions each round, until at least --min-requests
 requests were answered, every mode taking its turn within a round (the order reversed
 every other round), so that the machine's drift hits all modes alike; a row's figures are
-the totals over its rounds. Sessions are off: no mode starts a batch from a cached prefix
+the totals over its rounds, and its ratio to `none` is also given round by round (each
+against the same round's `none` batch), whose spread shows what one batch's noise is. Sessions are off: no mode starts a batch from a cached prefix
 or drafter state that an earlier round left behind. Greedy rows say
 whether every output equals `none`'s (near-ties judged as in bench/exactness.py).
 Sampled requests (temperature 0.7) are seeded by their question, the same seed in every
@@ -31,6 +32,7 @@ import argparse
 import json
 import math
 import shlex
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -111,6 +113,7 @@ def totals(batches: list[dict]) -> dict:
     total.update({key: sum(b[key] for b in batches) for key in ("seconds", "drafts", "verified_draft_tokens", "accepted_draft_tokens")})
     verified, accepted, drafts = total["verified_draft_tokens"], total["accepted_draft_tokens"], total.pop("drafts")
     total["tokens_per_s"] = sum(len(t) for t in total["outputs"]) / total["seconds"]
+    total["round_tokens_per_s"] = [sum(map(len, b["outputs"])) / b["seconds"] for b in batches]
     total["mean_acceptance_length"] = 1 + accepted / drafts if drafts else 1.0
     total["rejected_share"] = (verified - accepted) / verified if verified else None
     return total
@@ -195,7 +198,8 @@ def compared(result: dict, baseline: dict, temperature: float, model, name: str)
     """RESULT's speed as a multiple of BASELINE's, and for greedy runs whether every output equals it (near-ties judged
     as in bench/exactness.py)."""
     key = "baseline" if name == "none" else name
-    out = {f"speedup_vs_{name}": result["tokens_per_s"] / baseline["tokens_per_s"]}
+    out = {f"speedup_vs_{name}": result["tokens_per_s"] / baseline["tokens_per_s"],
+           f"speedup_vs_{name}_by_round": [a / b for a, b in zip(result["round_tokens_per_s"], baseline["round_tokens_per_s"])]}
     if temperature == 0.0:
         out[f"all_identical_to_{key}"] = all(
             divergence_verdict(model, p, a, b) != "mismatch"
@@ -206,8 +210,8 @@ def compared(result: dict, baseline: dict, temperature: float, model, name: str)
 def markdown(results: dict) -> str:
     lines = [f"# Draft models: draft `{results['draft_model']}`, companion `{results['companion_model']}`", "",
              f"Command: `{results['command']}`", "",
-             "| batch | temp | mode | questions | tokens/s | × none | mean acc. len | rejected share | identical |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| batch | temp | mode | questions | tokens/s | × none | × none by round (median, range) | mean acc. len | rejected share | identical |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results["summary"]:
         rejected = f"{r['rejected_share']:.2f}" if r["rejected_share"] is not None else "–"
         speedup = " · ".join(f"{r[key]:.2f}{label}" for key, label in (("speedup_vs_none", ""), ("speedup_vs_copyspec", " × copyspec"))
@@ -215,9 +219,19 @@ def markdown(results: dict) -> str:
         same = r["all_identical_to_baseline"] if r["all_identical_to_baseline"] is not None else r.get("all_identical_to_copyspec")
         identical = {None: "–", True: "yes", False: "NO"}[same]
         lines.append(f"| {r['batch_size']} | {r['temperature']} | {r['mode']} | {r['questions']} | {r['tokens_per_s']:.1f} | "
-                     f"{speedup} | {r['mean_acceptance_length']:.2f} | {rejected} | {identical} |")
+                     f"{speedup} | {by_round(r.get('speedup_vs_none_by_round'))} | {r['mean_acceptance_length']:.2f} | "
+                     f"{rejected} | {identical} |")
     lines += calibration_markdown(results["calibration"])
     return "\n".join(lines) + "\n"
+
+
+def by_round(ratios: list[float] | None) -> str:
+    """Per-round ratios against the round's own baseline batch: their median and range (one round: the ratio)."""
+    if not ratios:
+        return "–"
+    if len(ratios) == 1:
+        return f"{ratios[0]:.2f} (1 round)"
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}, {len(ratios)} rounds)"
 
 
 def calibration_markdown(calibration: dict | None) -> list[str]:

@@ -23,13 +23,18 @@ measured: the target's step overhead (scheduler/scheduler.py) and the draft's, a
 mean of the measured drafting time beyond the predicted, per draft forward — at a real
 batch's contexts a forward of the draft costs more than the profile's one request.
 
-d = 0 turns the draft model off; it then drafts one token anyway (a probe) once the steps
+Where not even a draft the target always accepted would pay (the draft's forwards priced at
+the start-up profile, or below it if drafting was measured cheaper), the draft stays off
+and is not probed: no acceptance could change that, so measuring it would only cost time.
+
+Otherwise d = 0 turns the draft model off; it then drafts one token anyway (a probe) once the steps
 it stayed off have cost 1/share times that one-token draft, so that its acceptance keeps
 being measured and drafting comes back when it pays again. The share starts at
-EXPLORE_SHARE (a probe every ~50th step for a draft model as slow as the target, every few
-steps for a cheap one) and halves after every probe that left the draft off, down to
-MIN_EXPLORE_SHARE (every ~500th step): a draft model that never pays costs ~0.2 % of the
-time once it has been found out, and one that pays again is back within ~500 steps at most.
+EXPLORE_SHARE (a probe every ~25th step for a draft forward that costs half a step, every
+few steps for a cheap one) and halves after every probe that left the draft off, down to
+MIN_EXPLORE_SHARE (every ~250th step for that draft): a draft model that does not pay
+costs ~0.2 % of the time once it has been found out, and one that pays again is back
+within ~250 steps at most.
 The planner then chooses, as for any draft, which drafted tokens are verified.
 
 Positions drafted with the model need KV slots (the draft model writes its KV there):
@@ -112,11 +117,24 @@ class ModelDraftBudget:
         def step_seconds(depth: int) -> float:
             return self.target_seconds(rest_tokens + batch * (1 + depth)) + self._drafting_seconds(depth, batch)
 
+        if not self._could_pay(max_tokens, batch, rest_tokens, rest_expected):
+            return 0
         depth = best_draft_depth(self._mean_path_probabilities(reqs, max_tokens, source), batch, step_seconds, rest_expected)
         if depth:
             self.steps_off = self.probes_off = 0
             return depth
         return self._probe_depth(step_seconds(0), self._drafting_seconds(1, batch))
+
+    def _could_pay(self, max_tokens: int, batch: int, rest_tokens: int, rest_expected: float) -> bool:
+        """Whether a draft the target always accepted would pay, its forwards costing no more than the profile says
+        (the overhead learnt while drafting may be out of date once drafting stops): if not, no acceptance can make
+        it pay, and probing it would only cost time."""
+        cheapest = min(self.draft_overhead_seconds, 0.0)
+
+        def step_seconds(depth: int) -> float:
+            return self.target_seconds(rest_tokens + batch * (1 + depth)) + self._drafting_seconds(depth, batch, cheapest)
+
+        return best_draft_depth([1.0] * max_tokens, batch, step_seconds, rest_expected) > 0
 
     def _mean_path_probabilities(self, reqs: list[Request], max_tokens: int, source: str) -> list[float]:
         """[max_tokens] the probability that a drafted token at each depth is on the accepted path, over REQS."""
@@ -133,16 +151,20 @@ class ModelDraftBudget:
         self.probes_off += 1
         return 1
 
-    def _drafting_seconds(self, depth: int, batch: int) -> float:
-        """Predicted seconds of BATCH requests drafting DEPTH tokens each, the companion's scoring included."""
+    def _drafting_seconds(self, depth: int, batch: int, overhead: float | None = None) -> float:
+        """Predicted seconds of BATCH requests drafting DEPTH tokens each, the companion's scoring included; OVERHEAD:
+        per draft forward beyond the profile, the learnt one unless given."""
         if not depth:
             return 0.0
-        per_forward = max(self.draft_seconds(batch) + self.draft_overhead_seconds, 1e-6)
+        overhead = self.draft_overhead_seconds if overhead is None else overhead
+        per_forward = max(self.draft_seconds(batch) + overhead, 1e-6)
         return depth * per_forward + self.companion_seconds(batch * depth)
 
     def _rest(self, beside: Sequence[tuple[Request, Draft]]) -> tuple[int, float]:
         """Tokens the rest of the batch is expected to have verified, and to yield: each request's last token and
         the part of its draft the planner would verify."""
+        if not beside:
+            return 0, 0.0
         trees = [PlannedTree(draft.parents, self.estimator.estimate(req, draft)) for req, draft in beside]
         chosen = plan_verification(trees, len(trees), float(len(trees)), self.target_seconds)
         verified = len(trees) + sum(map(len, chosen))

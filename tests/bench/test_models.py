@@ -1,5 +1,5 @@
 """bench models' rounds: which questions each round asks, and how a mode's rounds add up to its row."""
-from bench.models import rounds, totals, wave
+from bench.models import by_round, compared, rounds, totals, wave
 
 
 def test_each_batch_size_runs_rounds_until_the_minimum_of_requests_and_at_least_one():
@@ -19,3 +19,13 @@ def test_a_rows_figures_are_totals_over_its_rounds_not_means_of_their_ratios():
     assert total["prompts"] == [[1], [2]] and total["outputs"] == [[7] * 30, [8] * 10]
     assert total["tokens_per_s"] == 10.0  # 40 tokens in 4 s (the mean of 30 and 3.3 tok/s would be 16.7)
     assert total["mean_acceptance_length"] == 2.5 and total["rejected_share"] == 0.25
+    assert total["round_tokens_per_s"] == [30.0, 10 / 3]
+
+
+def test_each_rounds_ratio_is_taken_against_the_baseline_batch_of_the_same_round():
+    mode = {"round_tokens_per_s": [30.0, 12.0, 9.0], "tokens_per_s": 17.0}
+    none = {"round_tokens_per_s": [20.0, 12.0, 10.0], "tokens_per_s": 14.0}
+    ratios = compared(mode, none, 0.7, None, "none")  # sampled: no output comparison
+    assert ratios["speedup_vs_none_by_round"] == [1.5, 1.0, 0.9]
+    assert by_round(ratios["speedup_vs_none_by_round"]) == "1.00 (0.90–1.50, 3 rounds)"
+    assert by_round([0.97]) == "0.97 (1 round)" and by_round(None) == "–"

@@ -42,11 +42,12 @@ def test_a_draft_that_pays_for_one_request_alone_does_not_pay_for_a_step_it_dela
     assert best_draft_depth(path_probs, 1, step(target, draft, 1, rest_tokens=150), rest_expected=83.0) == 0
 
 
-def budget(planned: bool, rate: float = 0.5):
+def budget(planned: bool, rate: float = 0.5, draft=linear(0.0005, 0.05)):
+    """A draft forward costs half a target forward unless DRAFT says otherwise."""
     estimator = TreeAcceptance(rate, 1e6)  # the prior, unmoved
     blocks = KVBlockManager(num_blocks=8, block_size=4)
-    costly = linear(0.001, 0.1)
-    return ModelDraftBudget(estimator, blocks, 1024, costly if planned else None, costly if planned else None), blocks
+    target = linear(0.001, 0.1)
+    return ModelDraftBudget(estimator, blocks, 1024, target if planned else None, draft if planned else None), blocks
 
 
 def decoding_request(request_id: str, num_tokens: int, blocks: KVBlockManager) -> Request:
@@ -77,15 +78,27 @@ def test_drafts_are_cut_to_the_free_blocks_and_the_tokens_a_request_may_still_ge
 def test_the_planner_turns_a_useless_draft_model_off_but_keeps_measuring_it_less_and_less_often():
     model_drafts, blocks = budget(planned=True, rate=0.05)
     req = decoding_request("a", 6, blocks)
-    # the draft model costs a target forward: a one-token probe after 1 / share steps off, the share halving from
-    # EXPLORE_SHARE after every probe that leaves drafting off, down to MIN_EXPLORE_SHARE
-    depths = [model_drafts.reserve([req], 5, "draft")["a"] for _ in range(2250)]
+    # a draft forward costs half a step and would pay were it accepted often, but 5% are: a one-token probe after
+    # 1 / 2 share steps off, the share halving from EXPLORE_SHARE after every probe that leaves drafting off, down to
+    # MIN_EXPLORE_SHARE
+    depths = [model_drafts.reserve([req], 5, "draft")["a"] for _ in range(1125)]
     assert set(depths) == {0, 1}
     probes = [step + 1 for step, depth in enumerate(depths) if depth]
     gaps = [after - before for before, after in zip([0, *probes], probes)]
-    assert gaps == [round(2 ** i / EXPLORE_SHARE) for i in range(4)] + [round(1 / MIN_EXPLORE_SHARE)] * 3  # 50 .. 400, 500s
+    assert gaps == [round(2 ** i / EXPLORE_SHARE / 2) for i in range(4)] + [round(1 / MIN_EXPLORE_SHARE / 2)] * 3  # 25 .. 200, 250s
     model_drafts.estimator.prior, model_drafts.draft_seconds = 0.99, linear(0.0001, 0.001)  # right and cheap now
     assert model_drafts.reserve([req], 5, "draft")["a"] > 0
+
+
+def test_a_draft_that_would_not_pay_even_if_always_accepted_is_never_probed():
+    # a draft forward costs a target forward: no acceptance makes drafting pay, so measuring it would only cost time
+    model_drafts, blocks = budget(planned=True, rate=0.99, draft=linear(0.001, 0.1))
+    req = decoding_request("a", 6, blocks)
+    assert {model_drafts.reserve([req], 5, "draft")["a"] for _ in range(2000)} == {0}
+    # drafting was once measured slower than the profile: that learnt overhead does not rule the draft out for good
+    model_drafts.draft_seconds, model_drafts.draft_overhead_seconds = linear(0.0005, 0.05), 0.1
+    depths = [model_drafts.reserve([req], 5, "draft")["a"] for _ in range(200)]
+    assert 1 in depths
 
 
 def test_the_rest_of_the_batch_with_its_drafts_can_turn_the_model_draft_off():
