@@ -17,8 +17,9 @@ rounds of such batches, on the next B questions each round, until at least --min
 requests were answered, every mode taking its turn within a round (the order reversed
 every other round), so that the machine's drift hits all modes alike; a row's figures are
 the totals over its rounds, and its ratio to `none` is also given round by round (each
-against the same round's `none` batch), whose spread shows what one batch's noise is. Sessions are off: no mode starts a batch from a cached prefix
-or drafter state that an earlier round left behind. Greedy rows say
+against the same round's `none` batch), whose spread shows what one batch's noise is.
+Sessions are off: no mode starts a batch from a cached prefix or drafter state that an
+earlier round left behind. Greedy rows say
 whether every output equals `none`'s (near-ties judged as in bench/exactness.py).
 Sampled requests (temperature 0.7) are seeded by their question, the same seed in every
 mode: plain decoding and point-mass drafts (CopySpec) then sample the very same tokens

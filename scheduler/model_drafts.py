@@ -27,9 +27,9 @@ Where not even a draft the target always accepted would pay (the draft's forward
 the start-up profile, or below it if drafting was measured cheaper), the draft stays off
 and is not probed: no acceptance could change that, so measuring it would only cost time.
 
-Otherwise d = 0 turns the draft model off; it then drafts one token anyway (a probe) once the steps
-it stayed off have cost 1/share times that one-token draft, so that its acceptance keeps
-being measured and drafting comes back when it pays again. The share starts at
+Otherwise d = 0 turns the draft model off; it then drafts one token anyway (a probe) once
+the steps it stayed off have cost 1/share times that one-token draft, so that its
+acceptance keeps being measured and drafting comes back when it pays again. The share starts at
 EXPLORE_SHARE (a probe every ~25th step for a draft forward that costs half a step, every
 few steps for a cheap one) and halves after every probe that left the draft off, down to
 MIN_EXPLORE_SHARE (every ~250th step for that draft): a draft model that does not pay
@@ -113,11 +113,11 @@ class ModelDraftBudget:
             return max_tokens
         batch = len(reqs)
         rest_tokens, rest_expected = self._rest(beside)
-
-        def step_seconds(depth: int) -> float:
-            return self.target_seconds(rest_tokens + batch * (1 + depth)) + self._drafting_seconds(depth, batch)
-
-        if not self._could_pay(max_tokens, batch, rest_tokens, rest_expected):
+        step_seconds = self._step_seconds(batch, rest_tokens, self.draft_overhead_seconds)
+        # were every drafted token accepted, at no more than the profiled draft cost (the overhead learnt while drafting
+        # may be out of date once drafting stops): if even that does not pay, no acceptance can, and probing is waste
+        cheapest = self._step_seconds(batch, rest_tokens, min(self.draft_overhead_seconds, 0.0))
+        if not best_draft_depth([1.0] * max_tokens, batch, cheapest, rest_expected):
             return 0
         depth = best_draft_depth(self._mean_path_probabilities(reqs, max_tokens, source), batch, step_seconds, rest_expected)
         if depth:
@@ -125,16 +125,11 @@ class ModelDraftBudget:
             return depth
         return self._probe_depth(step_seconds(0), self._drafting_seconds(1, batch))
 
-    def _could_pay(self, max_tokens: int, batch: int, rest_tokens: int, rest_expected: float) -> bool:
-        """Whether a draft the target always accepted would pay, its forwards costing no more than the profile says
-        (the overhead learnt while drafting may be out of date once drafting stops): if not, no acceptance can make
-        it pay, and probing it would only cost time."""
-        cheapest = min(self.draft_overhead_seconds, 0.0)
-
-        def step_seconds(depth: int) -> float:
-            return self.target_seconds(rest_tokens + batch * (1 + depth)) + self._drafting_seconds(depth, batch, cheapest)
-
-        return best_draft_depth([1.0] * max_tokens, batch, step_seconds, rest_expected) > 0
+    def _step_seconds(self, batch: int, rest_tokens: int, draft_overhead: float) -> Callable[[int], float]:
+        """A step's predicted seconds by depth when BATCH requests draft that deep beside REST_TOKENS verified for the
+        rest of the batch, each draft forward costing DRAFT_OVERHEAD beyond the profile."""
+        return lambda depth: (
+            self.target_seconds(rest_tokens + batch * (1 + depth)) + self._drafting_seconds(depth, batch, draft_overhead))
 
     def _mean_path_probabilities(self, reqs: list[Request], max_tokens: int, source: str) -> list[float]:
         """[max_tokens] the probability that a drafted token at each depth is on the accepted path, over REQS."""
