@@ -19,8 +19,8 @@ every other round), so that the machine's drift hits all modes alike; a row's fi
 the totals over its rounds, and its ratio to `none` is also given round by round (each
 against the same round's `none` batch), whose spread shows what one batch's noise is.
 Sessions are off: no mode starts a batch from a cached prefix or drafter state that an
-earlier round left behind. Greedy rows say
-whether every output equals `none`'s (near-ties judged as in bench/exactness.py).
+earlier round left behind. Greedy rows say whether every output equals `none`'s (near-ties
+judged as in bench/exactness.py).
 Sampled requests (temperature 0.7) are seeded by their question, the same seed in every
 mode: plain decoding and point-mass drafts (CopySpec) then sample the very same tokens
 (engine/verifier.py), and a model's sampled draft changes them only from the first one

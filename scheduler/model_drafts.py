@@ -29,13 +29,13 @@ and is not probed: no acceptance could change that, so measuring it would only c
 
 Otherwise d = 0 turns the draft model off; it then drafts one token anyway (a probe) once
 the steps it stayed off have cost 1/share times that one-token draft, so that its
-acceptance keeps being measured and drafting comes back when it pays again. The share starts at
-EXPLORE_SHARE (a probe every ~25th step for a draft forward that costs half a step, every
-few steps for a cheap one) and halves after every probe that left the draft off, down to
-MIN_EXPLORE_SHARE (every ~250th step for that draft): a draft model that does not pay
-costs ~0.2 % of the time once it has been found out, and one that pays again is back
-within ~250 steps at most.
-The planner then chooses, as for any draft, which drafted tokens are verified.
+acceptance keeps being measured and drafting comes back when it pays again. The share
+starts at EXPLORE_SHARE (a probe every ~25th step for a draft forward that costs half a
+step, every few steps for a cheap one) and halves after every probe that left the draft
+off, down to MIN_EXPLORE_SHARE (every ~250th step for that draft): a draft model that does
+not pay costs ~0.2 % of the time once it has been found out, and one that pays again is
+back within ~250 steps at most. The planner then chooses, as for any draft, which drafted
+tokens are verified.
 
 Positions drafted with the model need KV slots (the draft model writes its KV there):
 the request's blocks are grown to cover them, as far as free blocks allow; the next
