@@ -1,9 +1,15 @@
-"""Latency model of one forward pass: how many tokens it carries, and how many root-to-leaf paths its trees add.
+"""Latency model of one forward pass: how many tokens it carries, and how many root-to-leaf paths its trees add;
+and what real steps cost beyond it, as measured.
 
 A draft tree is attended as the chains of its paths (engine/attention_layout.py), each
 reading its request's whole cached context again, so a tree costs more than a chain of
 as many tokens: each path beyond the first costs about `path_seconds_per_position` per
-position of context it reads (profiled at start-up, engine/profiler.py)."""
+position of context it reads (profiled at start-up, engine/profiler.py).
+
+The profile is one request's forward; a real step of B requests also attends over B
+contexts and samples and verifies B rows. What that costs beyond the profile is learnt
+from measured steps (`StepOverhead`), apart for each size of batch: it grows with the
+batch, so the overhead of a full batch would overprice the steps of its last requests."""
 from __future__ import annotations
 
 import bisect
@@ -42,3 +48,25 @@ class LatencyModel:
     def extra_path_seconds(self, context_len: int) -> float:
         """What one more root-to-leaf path of a tree costs a request with CONTEXT_LEN cached positions."""
         return self.path_seconds_per_position * context_len
+
+
+class StepOverhead:
+    """What real steps cost beyond the start-up profile, a running mean per class of batch size (1, 2-3, 4-7, ...).
+
+    One constant learnt while a batch of 64 runs would price the steps of its last few requests at batch 64's
+    overhead, several times their forward, and a draft model then looks cheap beside them. A class not measured
+    yet borrows the nearest measured class's overhead."""
+
+    def __init__(self) -> None:
+        self.by_class: dict[int, float] = {}  # batch size class (the bit length of the batch size) -> seconds
+
+    def __call__(self, batch_size: int) -> float:
+        if not self.by_class:
+            return 0.0
+        size_class = batch_size.bit_length()
+        nearest = min(self.by_class, key=lambda measured: (abs(measured - size_class), measured))
+        return self.by_class[nearest]
+
+    def observe(self, batch_size: int, error: float) -> None:
+        """A step of BATCH_SIZE requests took ERROR seconds longer than predicted with this overhead."""
+        self.by_class[batch_size.bit_length()] = self(batch_size) + OVERHEAD_SMOOTHING * error

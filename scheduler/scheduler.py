@@ -16,7 +16,7 @@ from scheduler.admission import Admission, QueueFullError
 from scheduler.config import SchedulerConfig
 from scheduler.draft_selection import DraftSelector, attach_draft
 from scheduler.kv_blocks import KVBlockManager
-from scheduler.latency import OVERHEAD_SMOOTHING, LatencyModel
+from scheduler.latency import LatencyModel, StepOverhead
 from scheduler.model_drafts import ModelDraftBudget
 from scheduler.planner import num_extra_paths
 from scheduler.records import ScheduledRequest, SchedulerOutput, StepStats, StepUpdate, Verification
@@ -47,7 +47,7 @@ class Scheduler:
         self.admission = Admission(config, blocks, sessions)
         self.selector = DraftSelector(config, self.estimator, max_model_len)
         self.updater = RequestUpdater(max_model_len, eos_token_ids, blocks, self.estimator, self._finish)
-        self.step_overhead_seconds = 0.0  # running mean of measured step time minus the profiled forward time
+        self.step_overhead = StepOverhead()  # measured step time minus the profiled forward time, by batch size
         planned = bool(latency and config.use_goodput_planner)
         self.model_drafts = ModelDraftBudget(
             self.estimator, blocks, max_model_len, self._step_seconds if planned else None, draft_latency, companion_latency,
@@ -144,16 +144,22 @@ class Scheduler:
         )
 
     def _step_seconds(self, num_tokens: int) -> float:
-        """Predicted seconds of a step: the start-up profile of one request's forward, plus what a real batch
-        costs on top of it (attention over every request's context, verification, drafting), as measured."""
-        return max(self.latency(num_tokens) + self.step_overhead_seconds, 1e-6)
+        """Predicted seconds of the next step, of the running requests carrying NUM_TOKENS."""
+        return self._batch_seconds(num_tokens, len(self.admission.running))
+
+    def _batch_seconds(self, num_tokens: int, batch_size: int) -> float:
+        """Predicted seconds of a step of BATCH_SIZE requests carrying NUM_TOKENS: the start-up profile of one
+        request's forward, plus what a real batch of that size costs on top of it (attention over every request's
+        context, verification), as measured."""
+        return max(self.latency(num_tokens) + self.step_overhead(batch_size), 1e-6)
 
     def observe_step_seconds(self, out: SchedulerOutput, seconds: float) -> None:
         """Learn the overhead from steps that only decode and verify: a prefill chunk attends over a context
         unlike the profile's, and its error would skew the cost of the drafts the planner weighs."""
         if self.latency and out.scheduled and not out.has_prefill:
-            error = seconds - self._step_seconds(out.num_scheduled_tokens) - self._extra_path_seconds(out)
-            self.step_overhead_seconds += OVERHEAD_SMOOTHING * error
+            batch_size = len(out.scheduled)
+            predicted = self._batch_seconds(out.num_scheduled_tokens, batch_size) + self._extra_path_seconds(out)
+            self.step_overhead.observe(batch_size, seconds - predicted)
 
     # --- after verification ----------------------------------------------------------------------
     def update(self, out: SchedulerOutput, results: list[Verification]) -> StepUpdate:

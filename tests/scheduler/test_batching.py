@@ -136,6 +136,6 @@ def test_measured_step_overhead_makes_drafts_cheaper_to_verify():
     assert out.scheduled[0].num_draft_tokens == 0 and out.predicted_seconds == 1.0
     for _ in range(60):  # real steps take 5 s more than the profile says (say, attention over long contexts)
         scheduler.observe_step_seconds(out, 6.0)
-    assert abs(scheduler.step_overhead_seconds - 5.0) < 0.01
+    assert abs(scheduler.step_overhead(1) - 5.0) < 0.01
     out = scheduler.schedule()  # now one forward costs 6 s and a draft 0.6 s more: worth 0.5 tokens
     assert out.scheduled[0].num_draft_tokens > 0 and out.predicted_seconds > 6.0

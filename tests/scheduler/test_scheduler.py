@@ -13,12 +13,15 @@ EOS = 2
 BLOCK_SIZE = 4
 
 
-def make_scheduler(planner=False, max_waiting=8, max_model_len=64, num_blocks=64, budget=512, max_num_seqs=2):
+def make_scheduler(
+    planner=False, max_waiting=8, max_model_len=64, num_blocks=64, budget=512, max_num_seqs=2, draft_latency=None,
+):
     latency = LatencyModel({1: 1.0, 16: 1.0}) if planner else None  # flat latency: drafts are free
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_waiting=max_waiting, use_goodput_planner=planner
     )
-    return Scheduler(config, max_model_len, [EOS], KVBlockManager(num_blocks, BLOCK_SIZE), latency)
+    blocks = KVBlockManager(num_blocks, BLOCK_SIZE)
+    return Scheduler(config, max_model_len, [EOS], blocks, latency, draft_latency=draft_latency)
 
 
 def step(scheduler, out, sampled):
@@ -167,12 +170,38 @@ def test_prefill_steps_do_not_teach_the_step_overhead():
     prefill = scheduler.schedule()
     assert prefill.has_prefill
     scheduler.observe_step_seconds(prefill, 0.5)  # a short-context prefill runs far faster than the profile's point
-    assert scheduler.step_overhead_seconds == 0.0
+    assert scheduler.step_overhead(1) == 0.0
     step(scheduler, prefill, [[8]])
     decode = scheduler.schedule()
     assert not decode.has_prefill
     scheduler.observe_step_seconds(decode, 2.0)
-    assert scheduler.step_overhead_seconds == pytest.approx(0.1 * 1.0)
+    assert scheduler.step_overhead(1) == pytest.approx(0.1 * 1.0)
+
+
+def test_the_overhead_of_a_full_batch_does_not_price_the_steps_of_its_last_request():
+    # the profile says 1 s a step; a draft forward costs 1.5 s, more than a step of one request
+    scheduler = make_scheduler(
+        planner=True, max_num_seqs=8, max_model_len=128, num_blocks=256, draft_latency=LatencyModel({1: 1.5}),
+    )
+    reqs = [add(scheduler, f"r{i}", max_tokens=100) for i in range(8)]
+    step(scheduler, scheduler.schedule(), [[8]] * 8)
+    for _ in range(40):  # a step of 8 takes 5 s more than the profile (attention over 8 contexts, say)
+        out = scheduler.schedule()
+        scheduler.observe_step_seconds(out, 6.0)
+        step(scheduler, out, [[9]] * 8)
+    assert scheduler.step_overhead(8) == pytest.approx(5.0, rel=0.02)
+    # beside a 6 s step, a 1.5 s draft the target accepts half the time pays
+    assert scheduler.reserve_model_drafts(reqs, 5, "draft")["r0"] > 0
+    for req in reqs[1:]:
+        scheduler.abort(req.request_id)
+    for _ in range(40):  # the last request's steps take what the profile says
+        out = scheduler.schedule()
+        scheduler.observe_step_seconds(out, 1.0)
+        step(scheduler, out, [[9]])
+    assert scheduler.step_overhead(1) < 0.1 and scheduler.step_overhead(8) == pytest.approx(5.0, rel=0.02)
+    assert scheduler.schedule().predicted_seconds < 1.1
+    # beside its own 1 s step, no acceptance makes the draft pay: it is not even probed
+    assert {scheduler.reserve_model_drafts(reqs[:1], 5, "draft")["r0"] for _ in range(2000)} == {0}
 
 
 def test_a_tree_draft_is_verified_whole_and_the_accepted_branch_kv_moves_to_its_final_positions():

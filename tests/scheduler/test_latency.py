@@ -1,0 +1,35 @@
+"""The latency model's profile, and what real steps cost beyond it by batch size."""
+import pytest
+
+from scheduler.latency import OVERHEAD_SMOOTHING, LatencyModel, StepOverhead
+
+
+def test_the_profile_is_interpolated_and_never_cheaper_for_more_tokens():
+    latency = LatencyModel({1: 1.0, 16: 2.5, 32: 2.0})  # profiling noise: 32 tokens measured faster than 16
+    assert latency(0) == 1.0 and latency(8.5) == pytest.approx(1.75)
+    assert latency(32) == 2.5 and latency(64) == 2.5
+
+
+def test_the_step_overhead_is_learnt_apart_for_each_class_of_batch_size():
+    overhead = StepOverhead()
+    assert overhead(64) == 0.0  # nothing measured: the profile alone
+    for _ in range(200):
+        overhead.observe(64, 0.012 - overhead(64))  # a batch of 64 takes 12 ms more than its profile
+        overhead.observe(1, 0.001 - overhead(1))  # one request alone 1 ms more
+    assert overhead(64) == pytest.approx(0.012) and overhead(127) == pytest.approx(0.012)
+    assert overhead(1) == pytest.approx(0.001)
+
+
+def test_a_batch_size_not_measured_yet_borrows_the_nearest_measured_class_and_learns_from_there():
+    overhead = StepOverhead()
+    overhead.observe(2, 0.002)  # the class of 2..3, from nothing
+    two = OVERHEAD_SMOOTHING * 0.002
+    overhead.observe(64, 0.010)  # the class of 64..127 starts from the nearest measured one's, 2..3's
+    sixty_four = two + OVERHEAD_SMOOTHING * 0.010
+    assert overhead(2) == pytest.approx(two) and overhead(64) == pytest.approx(sixty_four)
+    assert overhead(1) == overhead(4) == overhead(2)  # one class from 2..3
+    assert overhead(32) == overhead(64)  # one class from 64..127, four from 2..3
+    assert overhead(8) == overhead(2)  # two classes from 2..3, three from 64..127
+    overhead.observe(16, 0.005)  # two classes from 64..127, three from 2..3
+    assert overhead(16) == pytest.approx(sixty_four + OVERHEAD_SMOOTHING * 0.005)
+    assert overhead(2) == pytest.approx(two) and overhead(64) == pytest.approx(sixty_four)
