@@ -8,6 +8,11 @@ def test_the_profile_is_interpolated_and_never_cheaper_for_more_tokens():
     latency = LatencyModel({1: 1.0, 16: 2.5, 32: 2.0})  # profiling noise: 32 tokens measured faster than 16
     assert latency(0) == 1.0 and latency(8.5) == pytest.approx(1.75)
     assert latency(32) == 2.5 and latency(64) == 2.5
+    model = LatencyModel({1: 1.0, 3: 3.0, 5: 2.0})  # a noisy profile where 5 looked cheaper than 3
+    assert model(2) == pytest.approx(2.0) and model(4) == pytest.approx(3.0)
+    assert model(7) >= model(5)
+    with pytest.raises(ValueError):
+        LatencyModel({})
 
 
 def test_the_step_overhead_is_learnt_apart_for_each_class_of_batch_size():

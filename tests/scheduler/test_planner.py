@@ -74,16 +74,6 @@ def test_the_token_budget_caps_the_plan():
     assert plan_verification([chain(0.9, 0.9, 0.9)], 1, 1.0, flat, max_draft_tokens=2) == [[0, 1]]
 
 
-def test_latency_model_interpolates_and_never_decreases():
-    model = LatencyModel({1: 1.0, 3: 3.0, 5: 2.0})  # a noisy profile where 5 looked cheaper than 3
-    assert model(2) == pytest.approx(2.0)
-    assert model(4) == pytest.approx(3.0)
-    assert model(0) == 1.0
-    assert model(7) >= model(5)
-    with pytest.raises(ValueError):
-        LatencyModel({})
-
-
 @pytest.mark.parametrize("parents, expected", [([], 0), ([-1, 0, 1], 0), ([-1, -1, 0, 0], 2), ([-1, 0, 0, 2, 2], 2)])
 def test_extra_paths_are_the_leaves_beyond_the_first(parents, expected):
     assert num_extra_paths(parents) == expected
