@@ -28,16 +28,16 @@ endif
 cxx:
 	@if command -v g++ >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "make setup: installing Debian's g++ (it compiles the w4a8 kernel, engine/csrc)"; \
+		echo "make setup: installing Debian's g++ (it compiles the w4a8 kernel, engine/model/csrc)"; \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ >/dev/null; } \
 			|| echo "make setup: apt-get could not install g++: --weights w4a8 will be unavailable"; \
 	else \
 		echo "make setup: no g++ and no root to install it: --weights w4a8 will be unavailable"; \
 	fi
 
-# specserve's CPU kernels (engine/csrc) compiled once for this host (~30 s) into the user cache, so no server or test start waits on it.
-$(KERNEL_STAMP): $(wildcard engine/csrc/*.cpp) $(STAMP)
-	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO, format='make setup: %(message)s'); from engine.cpu_kernels import kernels; kernels()"
+# specserve's CPU kernels (engine/model/csrc) compiled once for this host (~30 s) into the user cache, so no server or test start waits on it.
+$(KERNEL_STAMP): $(wildcard engine/model/csrc/*.cpp) $(STAMP)
+	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO, format='make setup: %(message)s'); from engine.model.cpu_kernels import kernels; kernels()"
 	touch $(KERNEL_STAMP)
 
 # Prometheus and promtool (Debian's package) for tests/deploy; a quick no-op once installed.

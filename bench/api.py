@@ -30,7 +30,7 @@ from bench.concurrency import WARMUP_MAX_TOKENS, level_order, running_servers, s
 from bench.data import load_questions
 from bench.mt import interleave_categories
 from bench.sessions import WARMUP_MESSAGES
-from engine.model_source import resolve_model_source
+from engine.model.model_source import resolve_model_source
 
 DRAFTERS = ("none", "copyspec")  # the baseline first: every copyspec output must equal its output
 DEFAULT_LIMIT = 8  # conversations when --limit is not given

@@ -1,14 +1,38 @@
-"""`specserve bench NAME`: builds the generators and runs a benchmark."""
+"""`specserve bench NAME`: one subcommand per benchmark, each with its own flags, registered in BENCHMARKS.
+
+Every benchmark takes the engine's flags (server/flags.py), `--max-new-tokens`, `--out` and `--data-dir`; a
+benchmark's `add_flags` adds its own. Its `run` gets the parsed flags, the EngineConfig they describe (drafting
+with `none`; `config.with_drafter` gives the others), the tokenizer and the output folder.
+"""
 from __future__ import annotations
 
 import argparse
 import gc
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+from bench.api import run_api_benchmark
+from bench.concurrency import run_concurrency_benchmark, turn2_conversations
 from bench.data import MissingDataError, data_path, first_per_category, load_questions, missing_data_message
+from bench.llama_server import LlamaServerRunner, start_llama_server
+from bench.models import MODES, run_models_benchmark
+from bench.mt import run_mt_benchmark
+from bench.ngram import DATASETS as NGRAM_DATASETS
+from bench.ngram import run_ngram_benchmark
+from bench.pld_plus import run_pld_plus_benchmark
+from bench.runners import EngineRunner, HFRunner
+from bench.sessions import run_sessions_benchmark
+from bench.soak import run_soak
+from bench.step_profile import run_step_profile
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.model.model_loader import load_model
+from engine.model.model_source import resolve_model_source
+from engine.model.tokenizer import load_tokenizer
+from server.cli import add_engine_flags, engine_config
+from server.flags import config_as_argv
 
-MT_BENCHMARKS = ("mt-redundant", "mt-bench", "humaneval", "gsm8k")  # conversations, turn by turn
-RESULTS_DIRS = {"spec-bench": "pld-plus"}  # bench/results/ folder of a benchmark not named after its data set
 ALL_DRAFTERS = ("none", "copyspec", "ngram", "hf-greedy", "hf-pld", "llama-server", "llama-server-spec")
 PEERS = ("transformers-serve", "llama-server", "llama-server-spec")
 SESSION_MODES = ("off", "explicit", "implicit")
@@ -17,66 +41,27 @@ SESSION_DRAFTERS = ("none", "copyspec")  # the drafters `bench sessions` applies
 API_VARIANTS = ("plain", "logprobs", "penalties", "repetition_penalty", "logit_bias", "json_schema", "tool_call")
 
 
-def add_bench_parser(commands, add_engine_flags) -> None:
-    bench = commands.add_parser("bench", help="measure speed side by side (results under bench/results/NAME)")
-    bench.add_argument("name", choices=(*MT_BENCHMARKS, "spec-bench", "ngram", "concurrency", "sessions", "step-profile", "soak", "api", "models"))
-    add_engine_flags(bench)
-    bench.add_argument("--drafters", default=",".join(ALL_DRAFTERS), help=f"comma list from {ALL_DRAFTERS}; 'none' is always run")
-    bench.add_argument("--limit", type=int, default=None, help="first N questions only (api: default 8)")
-    bench.add_argument("--per-category", type=int, default=None, help="mt-bench, mt-redundant: first N questions of each category")
-    bench.add_argument("--max-new-tokens", type=int, default=256)
-    bench.add_argument("--out", type=Path, default=None, help="output folder (default bench/results/NAME)")
-    bench.add_argument("--data-dir", type=Path, default=None, help="folder with the benchmark data files (default: ../shared/data beside the checkout)")
-    bench.add_argument("--resume", action="store_true", help="keep rows already in OUT/results.json")
-    bench.add_argument("--peer-turns", type=parse_turns, default=(1, 2), help="turns the hf-* peers answer, e.g. 2")
-    bench.add_argument("--max-turns", type=int, default=2, help="conversations: answer at most this many turns")
-    bench.add_argument("--grid-limit", type=int, default=5, help="ngram: questions per set of the k x w grid (0: no grid)")
-    bench.add_argument("--grid-max-new-tokens", type=int, default=96, help="ngram: new tokens per grid generation")
-    bench.add_argument("--concurrency", type=parse_ints, default=(1, 4, 16, 32, 64), help="concurrency: client counts")
-    bench.add_argument("--modes", type=parse_model_modes, default=None,
-                       help="models: comma list of the modes to run ('none' always runs; default: all)")
-    bench.add_argument("--min-requests", type=int, default=16,
-                       help="models: rounds of B requests at each batch size B until at least this many were answered")
-    bench.add_argument("--requests-per-client", type=int, default=2, help="concurrency: turn-2 requests per client and level")
-    bench.add_argument("--peers", type=parse_peers, default=PEERS[:1], help=f"concurrency: peer servers from {PEERS}, or ''")
-    bench.add_argument("--warm-prompts", action="store_true",
-                       help="concurrency: every server caches every prompt first (specserve: sessions on, a fresh session "
-                            "per request, so prompt KV is reused and no drafter state is); default: sessions off")
-    bench.add_argument("--peer-kv-blocks", type=int, default=None,
-                       help="concurrency: transformers serve's KV blocks of 256 tokens (default: enough for the largest C at once)")
-    bench.add_argument("--peer-max-batch-tokens", type=int, default=None,
-                       help="concurrency: transformers serve's tokens per forward (default: specserve's per-step budget, 512)")
-    bench.add_argument("--session-modes", type=parse_session_modes, default=SESSION_MODES,
-                       help=f"sessions: comma list from {SESSION_MODES}; 'off' is always run. One specserve per mode and "
-                            "drafter, all up at once: --kv-cache-memory is each one's (1 GiB fits the default 6 in 24 GB)")
-    bench.add_argument("--benchmarks", type=parse_session_benchmarks, default=SESSION_BENCHMARKS,
-                       help=f"sessions: comma list from {SESSION_BENCHMARKS}")
-    bench.add_argument("--soak-clients", type=int, default=64, help="soak: concurrent streaming clients")
-    bench.add_argument("--soak-seconds", type=float, default=300.0, help="soak: seconds of load")
-    bench.add_argument("--seed", type=int, default=0, help="soak: seed of the clients' random requests")
-    bench.add_argument("--self-correction-limit", type=int, default=20, help="sessions: first N math_reasoning items")
-    bench.add_argument("--variants", type=parse_api_variants, default=API_VARIANTS,
-                       help=f"api: comma list of request-field variants from {API_VARIANTS}")
+@dataclass(frozen=True)
+class Benchmark:
+    help: str
+    run: Callable[[argparse.Namespace, EngineConfig, object, Path], None]  # (args, config, tokenizer, out folder)
+    data_sets: Callable[[argparse.Namespace], list[str]]  # the data files it reads, checked before any model loads
+    add_flags: Callable[[argparse.ArgumentParser], None] = lambda parser: None
+    results_dir: str | None = None  # bench/results/ folder, when not the benchmark's name
+
+
+def comma_list(allowed: tuple[str, ...], first: str | None = None, what: str = "values") -> Callable[[str], tuple]:
+    """An argparse type: a comma list of ALLOWED names, FIRST (when given) always in it and first."""
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+        if not set(names) <= set(allowed) or (not names and first is None):
+            raise argparse.ArgumentTypeError(f"{what} are {allowed}")
+        return (first, *(n for n in names if n != first)) if first else names
+    return parse
 
 
 def parse_ints(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",") if part.strip())
-
-
-def parse_peers(text: str) -> tuple[str, ...]:
-    peers = tuple(p.strip() for p in text.split(",") if p.strip())
-    if not set(peers) <= set(PEERS):
-        raise argparse.ArgumentTypeError(f"peers are {PEERS}")
-    return peers
-
-
-def parse_model_modes(text: str) -> tuple[str, ...]:
-    from bench.models import MODES
-
-    modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    if not set(modes) <= set(MODES):
-        raise argparse.ArgumentTypeError(f"modes are {tuple(MODES)}")
-    return ("none", *(m for m in modes if m != "none"))
 
 
 def parse_turns(text: str) -> tuple[int, ...]:
@@ -86,135 +71,51 @@ def parse_turns(text: str) -> tuple[int, ...]:
     return turns
 
 
-def parse_session_modes(text: str) -> tuple[str, ...]:
-    modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    if not set(modes) <= set(SESSION_MODES):
-        raise argparse.ArgumentTypeError(f"session modes are {SESSION_MODES}")
-    return ("off", *dict.fromkeys(m for m in modes if m != "off"))
+def add_drafters_flag(parser: argparse.ArgumentParser, allowed: tuple[str, ...] = ALL_DRAFTERS) -> None:
+    parser.add_argument("--drafters", type=comma_list(allowed, "none", "drafters"), default=("none", *allowed[1:]),
+                        help=f"comma list from {allowed}; 'none' is always run")
 
 
-def parse_session_benchmarks(text: str) -> tuple[str, ...]:
-    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    if not names or not set(names) <= set(SESSION_BENCHMARKS):
-        raise argparse.ArgumentTypeError(f"benchmarks are {SESSION_BENCHMARKS}")
-    return names
+def add_limit_flag(parser: argparse.ArgumentParser, default_note: str = "all") -> None:
+    parser.add_argument("--limit", type=int, default=None, help=f"first N questions only (default: {default_note})")
 
 
-def parse_api_variants(text: str) -> tuple[str, ...]:
-    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    if not names or not set(names) <= set(API_VARIANTS):
-        raise argparse.ArgumentTypeError(f"variants are {API_VARIANTS}")
-    return names
+# --- conversations, turn by turn: mt-redundant, mt-bench, humaneval, gsm8k ----------------------------------------
+def add_mt_flags(parser: argparse.ArgumentParser) -> None:
+    add_drafters_flag(parser)
+    add_limit_flag(parser)
+    parser.add_argument("--per-category", type=int, default=None, help="first N questions of each category")
+    parser.add_argument("--resume", action="store_true", help="keep rows already in OUT/results.json")
+    parser.add_argument("--peer-turns", type=parse_turns, default=(1, 2), help="turns the hf-* peers answer, e.g. 2")
+    parser.add_argument("--max-turns", type=int, default=2, help="answer at most this many turns")
 
 
-def parse_drafters(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(ALL_DRAFTERS))
-    if unknown:
-        raise SystemExit(f"unknown drafters {unknown}; choose from {ALL_DRAFTERS}")
-    return ["none"] + [n for n in names if n != "none"]
-
-
-def data_sets_needed(args: argparse.Namespace) -> list[str]:
-    """The data sets benchmark ARGS.name reads."""
-    if args.name == "soak":
-        return []
-    if args.name == "sessions":
-        return [{"mt-redundant": "mt-redundant", "self-correction": "spec-bench"}[b] for b in args.benchmarks]
-    if args.name == "ngram":
-        from bench.ngram import DATASETS
-
-        return list(DATASETS)
-    if args.name in ("concurrency", "step-profile", "api"):
-        return ["mt-redundant"]
-    if args.name == "models":
-        return ["mt-bench", "mt-redundant"]
-    if args.name == "spec-bench":
-        return ["spec-bench", "mt-redundant"]
-    return [args.name]
-
-
-def check_data(args: argparse.Namespace) -> None:
-    """Stop before any model loads when a data file is missing, with a message that says what to fetch."""
-    missing = []
-    for name in data_sets_needed(args):
+def mt_benchmark(name: str) -> Benchmark:
+    def run(args: argparse.Namespace, config: EngineConfig, tokenizer, out_dir: Path) -> None:
+        runners, hf_model = {}, None
         try:
-            data_path(name, args.data_dir)
-        except MissingDataError:
-            missing.append(name)
-    if missing:
-        raise SystemExit(missing_data_message(missing, args.data_dir))
+            for drafter in args.drafters:
+                if drafter.startswith("hf-"):
+                    hf_model = hf_model or load_model(config.model)
+                    runners[drafter] = HFRunner(hf_model, prompt_lookup=drafter == "hf-pld")
+                elif drafter.startswith("llama-server"):
+                    runners[drafter] = llama_server_runner(args, drafter, out_dir)
+                else:
+                    runners[drafter] = EngineRunner(Engine(config.with_drafter(drafter)))
+            reference_model = runners["none"].engine.runner.model
+            questions = first_per_category(load_questions(name, args.data_dir), args.per_category)[: args.limit]
+            run_mt_benchmark(name, questions, runners, tokenizer, reference_model, args, out_dir)
+        finally:
+            for runner in runners.values():
+                if hasattr(runner, "close"):
+                    runner.close()
+
+    return Benchmark(f"{name}: tokens/s per drafter, conversation by conversation", run, lambda args: [name],
+                     add_mt_flags)
 
 
-def run_bench(args: argparse.Namespace, engine_config_from_args) -> None:
-    from engine.tokenizer import load_tokenizer
-
-    check_data(args)
-    out_dir = args.out or Path(__file__).resolve().parent / "results" / RESULTS_DIRS.get(args.name, args.name)
-    if args.name == "soak":
-        from bench.soak import run_soak
-
-        run_soak(args, out_dir)
-        print((out_dir / "results.md").read_text())
-        return
-    tokenizer = load_tokenizer(engine_config_from_args(args, "none").model)
-    if args.name == "concurrency":
-        run_concurrency(args, engine_config_from_args, tokenizer, out_dir)
-    elif args.name == "ngram":
-        from bench.ngram import run_ngram_benchmark
-
-        run_ngram_benchmark(args, engine_config_from_args, tokenizer, out_dir)
-    elif args.name == "spec-bench":
-        from bench.pld_plus import run_pld_plus_benchmark
-
-        run_pld_plus_benchmark(args, engine_config_from_args, tokenizer, out_dir)
-    elif args.name == "step-profile":
-        from bench.step_profile import run_step_profile
-
-        run_step_profile(args, engine_config_from_args, tokenizer, out_dir)
-    elif args.name == "sessions":
-        run_sessions(args, out_dir)
-    elif args.name == "api":
-        run_api(args, tokenizer, out_dir)
-    elif args.name == "models":
-        from bench.models import run_models_benchmark
-
-        run_models_benchmark(args, engine_config_from_args, tokenizer, out_dir)
-    else:
-        run_mt(args, engine_config_from_args, tokenizer, out_dir)
-    print((out_dir / "results.md").read_text())
-
-
-def run_mt(args: argparse.Namespace, engine_config_from_args, tokenizer, out_dir: Path) -> None:
-    from bench.mt import run_mt_benchmark
-    from bench.runners import EngineRunner, HFRunner
-    from engine.engine import Engine
-    from engine.model_loader import load_model
-
-    runners, hf_model = {}, None
-    try:
-        for name in parse_drafters(args.drafters):
-            if name.startswith("hf-"):
-                hf_model = hf_model or load_model(engine_config_from_args(args, "none").model)
-                runners[name] = HFRunner(hf_model, prompt_lookup=name == "hf-pld")
-            elif name.startswith("llama-server"):
-                runners[name] = llama_server_runner(args, name, out_dir)
-            else:
-                runners[name] = EngineRunner(Engine(engine_config_from_args(args, name)))
-        reference_model = runners["none"].engine.runner.model
-        questions = first_per_category(load_questions(args.name, args.data_dir), args.per_category)[: args.limit]
-        run_mt_benchmark(args.name, questions, runners, tokenizer, reference_model, args, out_dir)
-    finally:
-        for runner in runners.values():
-            if hasattr(runner, "close"):
-                runner.close()
-
-
-def llama_server_runner(args: argparse.Namespace, name: str, out_dir: Path):
+def llama_server_runner(args: argparse.Namespace, name: str, out_dir: Path) -> LlamaServerRunner:
     """llama-server on the same GGUF, one slot (single stream), plain or with its own speculation."""
-    from bench.llama_server import LlamaServerRunner, start_llama_server
-    from engine.model_source import resolve_model_source
-
     source = resolve_model_source(args.model)
     if source.gguf_file is None:
         raise SystemExit("llama-server rows need a GGUF model (--model FILE.gguf, or the embedded default)")
@@ -223,53 +124,150 @@ def llama_server_runner(args: argparse.Namespace, name: str, out_dir: Path):
     return LlamaServerRunner(start_llama_server(gguf_path, name.endswith("-spec"), out_dir, threads=args.num_threads or 2))
 
 
-def run_concurrency(args: argparse.Namespace, engine_config_from_args, tokenizer, out_dir: Path) -> None:
-    """HTTP servers under C concurrent clients; specserve per drafter (hf-* drafters do not apply) and peers."""
-    from bench.concurrency import run_concurrency_benchmark, turn2_conversations
-    from bench.runners import EngineRunner
-    from engine.engine import Engine
+# --- HTTP servers under load: concurrency, sessions, api ------------------------------------------------------------
+def add_concurrency_flags(parser: argparse.ArgumentParser) -> None:
+    add_drafters_flag(parser, tuple(d for d in ALL_DRAFTERS if not d.startswith("hf-")))
+    add_limit_flag(parser)
+    parser.add_argument("--concurrency", type=parse_ints, default=(1, 4, 16, 32, 64), help="client counts")
+    parser.add_argument("--requests-per-client", type=int, default=2, help="turn-2 requests per client and level")
+    parser.add_argument("--peers", type=comma_list(PEERS, what="peers"), default=PEERS[:1],
+                        help=f"peer servers from {PEERS}, or ''")
+    parser.add_argument("--warm-prompts", action="store_true",
+                        help="every server caches every prompt first (specserve: sessions on, a fresh session per "
+                             "request, so prompt KV is reused and no drafter state is); default: sessions off")
+    parser.add_argument("--peer-kv-blocks", type=int, default=None,
+                        help="transformers serve's KV blocks of 256 tokens (default: enough for the largest C at once)")
+    parser.add_argument("--peer-max-batch-tokens", type=int, default=None,
+                        help="transformers serve's tokens per forward (default: specserve's per-step budget, 512)")
 
-    args.concurrency_drafters = [d for d in parse_drafters(args.drafters) if not d.startswith("hf-")]
+
+def run_concurrency(args: argparse.Namespace, config: EngineConfig, tokenizer, out_dir: Path) -> None:
+    """HTTP servers under C concurrent clients; specserve per drafter and the peers."""
     # Every level replays the same conversations: unless every server caches every prompt first (--warm-prompts), a
     # session cache would turn later levels into hits the peers never get.
-    engine_flags = specserve_engine_flags(args) + ["--session-mode", "implicit" if args.warm_prompts else "off"]
+    engine_flags = specserve_engine_flags(config) + ["--session-mode", "implicit" if args.warm_prompts else "off"]
     questions = load_questions("mt-redundant", args.data_dir)[: args.limit]
-    baseline = EngineRunner(Engine(engine_config_from_args(args, "none")))
+    baseline = EngineRunner(Engine(config))
     conversations = turn2_conversations(questions, tokenizer, baseline, args.max_new_tokens)
     del baseline  # its KV pool would sit beside every server under test
     gc.collect()
-    run_concurrency_benchmark(args, conversations, tokenizer, engine_flags, out_dir)
+    run_concurrency_benchmark(args, list(args.drafters), conversations, tokenizer, engine_flags, out_dir)
 
 
-def specserve_engine_flags(args: argparse.Namespace) -> list[str]:
-    """The engine flags of ARGS as `specserve serve` arguments, for every server a benchmark starts."""
-    flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
-             "--device", args.device, "--dtype", args.dtype, "--weights", args.weights]
-    for flag in ("model", "num_threads", "max_model_len", "max_num_batched_tokens", "kv_cache_memory", "block_size",
-                 "attention_backend", "copy_gamma", "copy_max_tokens", "ngram_k", "ngram_w", "cache_dir", "session_ttl",
-                 "max_sessions"):
-        if getattr(args, flag, None) is not None:
-            flags += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-    if getattr(args, "no_goodput_planner", False):
-        flags.append("--no-goodput-planner")
-    return flags
+def specserve_engine_flags(config: EngineConfig) -> list[str]:
+    """CONFIG as `specserve serve` flags, for every server a benchmark starts (each names its own --drafter)."""
+    return config_as_argv(config, skip=("drafter",))
 
 
-def run_api(args: argparse.Namespace, tokenizer, out_dir: Path) -> None:
+def add_sessions_flags(parser: argparse.ArgumentParser) -> None:
+    add_drafters_flag(parser, SESSION_DRAFTERS)
+    add_limit_flag(parser)
+    parser.add_argument("--session-modes", type=comma_list(SESSION_MODES, "off", "session modes"),
+                        default=SESSION_MODES,
+                        help=f"comma list from {SESSION_MODES}; 'off' is always run. One specserve per mode and "
+                             "drafter, all up at once: --kv-cache-memory is each one's (1 GiB fits the default 6 in 24 GB)")
+    parser.add_argument("--benchmarks", type=comma_list(SESSION_BENCHMARKS, what="benchmarks"),
+                        default=SESSION_BENCHMARKS, help=f"comma list from {SESSION_BENCHMARKS}")
+    parser.add_argument("--self-correction-limit", type=int, default=20, help="first N math_reasoning items")
+
+
+def run_sessions(args: argparse.Namespace, config: EngineConfig, tokenizer, out_dir: Path) -> None:
+    """Multi-turn conversations through HTTP servers, per session mode and drafter."""
+    run_sessions_benchmark(args, list(args.drafters), specserve_engine_flags(config), out_dir)
+
+
+def sessions_data(args: argparse.Namespace) -> list[str]:
+    return [{"mt-redundant": "mt-redundant", "self-correction": "spec-bench"}[b] for b in args.benchmarks]
+
+
+def add_api_flags(parser: argparse.ArgumentParser) -> None:
+    add_limit_flag(parser, "8")
+    parser.add_argument("--variants", type=comma_list(API_VARIANTS, what="variants"), default=API_VARIANTS,
+                        help=f"comma list of request-field variants from {API_VARIANTS}")
+
+
+def run_api(args: argparse.Namespace, config: EngineConfig, tokenizer, out_dir: Path) -> None:
     """MT-Redundant turn 2 with each request-field variant, through specserve with drafter none and copyspec; a copyspec
     output that differs from none's fails the command once the table is out."""
-    from bench.api import run_api_benchmark
-
-    results = run_api_benchmark(args, specserve_engine_flags(args), tokenizer, out_dir)
+    results = run_api_benchmark(args, specserve_engine_flags(config), tokenizer, out_dir)
     if results["mismatches"]:
         print((out_dir / "results.md").read_text())
         raise SystemExit(f"lossless check failed: {len(results['mismatches'])} copyspec outputs differ from none's "
                          f"(see {out_dir / 'results.md'})")
 
 
-def run_sessions(args: argparse.Namespace, out_dir: Path) -> None:
-    """Multi-turn conversations through HTTP servers, per session mode and drafter (none and copyspec apply)."""
-    from bench.sessions import run_sessions_benchmark
+# --- the rest -------------------------------------------------------------------------------------------------------
+def add_ngram_flags(parser: argparse.ArgumentParser) -> None:
+    add_limit_flag(parser)
+    parser.add_argument("--grid-limit", type=int, default=5, help="questions per set of the k x w grid (0: no grid)")
+    parser.add_argument("--grid-max-new-tokens", type=int, default=96, help="new tokens per grid generation")
 
-    args.session_drafters = [d for d in parse_drafters(args.drafters) if d in SESSION_DRAFTERS]
-    run_sessions_benchmark(args, specserve_engine_flags(args), out_dir)
+
+def add_models_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--concurrency", type=parse_ints, default=(1, 4, 16, 32, 64), help="batch sizes B")
+    parser.add_argument("--modes", type=comma_list(tuple(MODES), "none", "modes"), default=tuple(MODES),
+                        help="comma list of the modes to run ('none' always runs; default: all)")
+    parser.add_argument("--min-requests", type=int, default=16,
+                        help="rounds of B requests at each batch size B until at least this many were answered")
+
+
+def add_soak_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--soak-clients", type=int, default=64, help="concurrent streaming clients")
+    parser.add_argument("--soak-seconds", type=float, default=300.0, help="seconds of load")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the clients' random requests")
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    **{name: mt_benchmark(name) for name in ("mt-redundant", "mt-bench", "humaneval", "gsm8k")},
+    "spec-bench": Benchmark(
+        "prompt lookup and PLD+ on Spec-Bench, with PLD+'s ablations",
+        lambda args, config, tokenizer, out: run_pld_plus_benchmark(args, config, tokenizer, out),
+        lambda args: ["spec-bench", "mt-redundant"], lambda parser: add_limit_flag(parser, "20"), "pld-plus",
+    ),
+    "ngram": Benchmark("learning-free n-grams: the headline runs and the k x w grid", run_ngram_benchmark,
+                       lambda args: list(NGRAM_DATASETS), add_ngram_flags),
+    "concurrency": Benchmark("HTTP servers under C concurrent clients, specserve and peers", run_concurrency,
+                             lambda args: ["mt-redundant"], add_concurrency_flags),
+    "sessions": Benchmark("multi-turn conversations per session mode", run_sessions, sessions_data, add_sessions_flags),
+    "step-profile": Benchmark("where a step's time goes", run_step_profile, lambda args: ["mt-redundant"]),
+    "soak": Benchmark("streaming clients against one server for minutes: memory and errors",
+                      lambda args, config, tokenizer, out: run_soak(args, out), lambda args: [], add_soak_flags),
+    "api": Benchmark("request-field variants under speculation, with the lossless check", run_api,
+                     lambda args: ["mt-redundant"], add_api_flags),
+    "models": Benchmark("draft and companion models against plain decoding at batch sizes B", run_models_benchmark,
+                        lambda args: ["mt-bench", "mt-redundant"], add_models_flags),
+}
+
+
+def add_bench_parser(commands) -> None:
+    bench = commands.add_parser("bench", help="measure speed side by side (results under bench/results/NAME)")
+    names = bench.add_subparsers(dest="name", required=True, metavar="NAME")
+    for name, benchmark in BENCHMARKS.items():
+        parser = names.add_parser(name, help=benchmark.help, description=benchmark.help)
+        add_engine_flags(parser)
+        parser.add_argument("--max-new-tokens", type=int, default=256)
+        parser.add_argument("--out", type=Path, default=None, help=f"output folder (default: bench/results/{name})")
+        parser.add_argument("--data-dir", type=Path, default=None, help="folder with the benchmark data files")
+        benchmark.add_flags(parser)
+        parser.set_defaults(run=run_bench)
+
+
+def check_data(benchmark: Benchmark, args: argparse.Namespace) -> None:
+    """Stop before any model loads when a data file is missing, with a message that says what to fetch."""
+    missing = []
+    for name in benchmark.data_sets(args):
+        try:
+            data_path(name, args.data_dir)
+        except MissingDataError:
+            missing.append(name)
+    if missing:
+        raise SystemExit(missing_data_message(missing, args.data_dir))
+
+
+def run_bench(args: argparse.Namespace) -> None:
+    benchmark = BENCHMARKS[args.name]
+    check_data(benchmark, args)
+    out_dir = args.out or Path(__file__).resolve().parent / "results" / (benchmark.results_dir or args.name)
+    config = engine_config(args, "none")
+    benchmark.run(args, config, load_tokenizer(config.model), out_dir)
+    print((out_dir / "results.md").read_text())

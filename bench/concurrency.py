@@ -13,7 +13,7 @@ level's wall time.
 
 `transformers serve` cannot batch a GGUF checkpoint (its model manager reads
 `config.architectures`, which GGUF configs leave empty), so a GGUF model is
-served from the engine's dequantized checkpoint of it (engine/gguf_cache.py),
+served from the engine's dequantized checkpoint of it (engine/model/gguf_cache.py),
 which sets it. Its paged KV cache is sized to the workload: left to itself on
 CPU it takes 90 % of the free RAM.
 """
@@ -37,8 +37,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server_process import RunningServer, free_port, specserve_command, start_process, stop_server
 from bench.sse_client import chat_body, stream_chat
-from engine.gguf_cache import dequantized_dir
-from engine.model_source import ModelSource, resolve_model_source
+from engine.model.gguf_cache import dequantized_dir
+from engine.model.model_source import ModelSource, resolve_model_source
 
 SPEC_COUNTERS = {
     "drafts": "specserve:spec_decode_num_drafts_total",
@@ -417,11 +417,13 @@ def _shown(command: list[str]) -> list[str]:
     return shown
 
 
-def run_concurrency_benchmark(args, conversations: list[list[dict]], tokenizer, engine_flags: list[str], out_dir: Path) -> list[dict]:
+def run_concurrency_benchmark(
+    args, drafters: list[str], conversations: list[list[dict]], tokenizer, engine_flags: list[str], out_dir: Path,
+) -> list[dict]:
     """CONVERSATIONS (turn-2 histories, from turn2_conversations) through every server under test, level by level."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model = resolve_model_source(args.model).name
-    servers = [specserve_under_test(d, engine_flags, model, args.warm_prompts) for d in args.concurrency_drafters]
+    servers = [specserve_under_test(d, engine_flags, model, args.warm_prompts) for d in drafters]
     peers, setup = peers_under_test(args, conversations, tokenizer)
     setup.update(specserve_flags=engine_flags, order=ORDER, warm_prompts=args.warm_prompts)
     command = "specserve " + shlex.join(sys.argv[1:])

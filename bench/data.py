@@ -1,4 +1,4 @@
-"""Benchmark prompt sets, read from a data folder: `--data-dir`, else `shared/data` beside the checkout.
+"""Benchmark prompt sets, read from a data folder: `--data-dir`, else bench/data/ (their sources: its README).
 
 Every set comes back as questions of one shape, `{"question_id", "category", "turns"}`,
 whatever the file's own layout, so the benchmarks treat them alike.
@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-HUMANEVAL_PROMPT = (  # EvalPlus's instruct format (shared/data/README.md)
+HUMANEVAL_PROMPT = (  # EvalPlus's instruct format (bench/data/README.md)
     "Please provide a self-contained Python script that solves the following problem in a markdown code block:\n"
     "```\n{prompt}\n```\n"
 )
@@ -36,26 +36,19 @@ class MissingDataError(FileNotFoundError):
     """A benchmark's data file is not where the benchmark looked; the message says what to fetch and where to put it."""
 
 
-def default_data_dir() -> Path | None:
-    """`shared/data` beside the checkout (where CI and developers have it), else inside it; None when neither exists."""
-    repo = Path(__file__).resolve().parent.parent
-    for candidate in (repo.parent / "shared" / "data", repo / "shared" / "data"):
-        if candidate.is_dir():
-            return candidate
-    return None
+DEFAULT_DATA_DIR = Path(__file__).resolve().parent / "data"  # the sets as published, with their sources
 
 
 def data_path(name: str, data_dir: Path | None = None) -> Path:
-    """The file of data set NAME in DATA_DIR (default: `default_data_dir()`); MissingDataError if it is not there."""
-    folder = data_dir or default_data_dir()
-    path = folder / DATASETS[name].file if folder else None
-    if path is None or not path.is_file():
+    """The file of data set NAME in DATA_DIR (default: bench/data/); MissingDataError if it is not there."""
+    path = (data_dir or DEFAULT_DATA_DIR) / DATASETS[name].file
+    if not path.is_file():
         raise MissingDataError(missing_data_message([name], data_dir))
     return path
 
 
 def missing_data_message(names: list[str], data_dir: Path | None) -> str:
-    where = f"in {data_dir}" if data_dir else "in ../shared/data beside the checkout (no --data-dir was given)"
+    where = f"in {data_dir or DEFAULT_DATA_DIR}"
     lines = [f"benchmark data not found {where}. This benchmark needs:"]
     lines += [f"  {DATASETS[n].file}  (from {DATASETS[n].source})" for n in names]
     lines.append("Download them into one folder and pass it as --data-dir.")

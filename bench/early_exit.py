@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-from engine.calibration_prompts import CALIBRATION_PROMPTS, CHAT_PROMPTS
+from engine.calibration.prompts import CALIBRATION_PROMPTS, CHAT_PROMPTS
 from engine.config import ModelConfig
-from engine.model_loader import load_model
-from engine.tokenizer import load_tokenizer
+from engine.model.model_loader import load_model
+from engine.model.tokenizer import load_tokenizer
 
 NEW_TOKENS = 96
 DRAFT_LEN = 5

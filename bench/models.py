@@ -62,9 +62,9 @@ DEFAULT_DRAFT, DEFAULT_COMPANION = "early-exit:29", "early-exit:24"  # see the r
 TEMPERATURES = (0.0, 0.7)
 
 
-def mode_engine(args, engine_config_from_args, mode: str) -> Engine:
+def mode_engine(args, config, mode: str) -> Engine:
     drafter, planner, num_tokens, companion = MODES[mode]
-    config = engine_config_from_args(args, drafter)
+    config = config.with_drafter(drafter)
     engine = Engine(replace(
         config,
         model=replace(config.model, draft_model=draft_model(args) if drafter in DRAFT_DRAFTERS else None,
@@ -143,11 +143,11 @@ def greedy(args) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
 
 
-def run_models_benchmark(args: argparse.Namespace, engine_config_from_args, tokenizer, out_dir: Path) -> dict:
+def run_models_benchmark(args: argparse.Namespace, config, tokenizer, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)  # before the run: a path that cannot be a folder fails now, not after it
     modes = args.modes or tuple(MODES)
     runs = [(mode, questions) for mode, questions in RUNS if mode in modes]
-    engines = {mode: mode_engine(args, engine_config_from_args, mode) for mode in modes}
+    engines = {mode: mode_engine(args, config, mode) for mode in modes}
     prompts = question_prompts(args, tokenizer, engines["none"])
     rows = []
     for level, batch in enumerate(args.concurrency):

@@ -55,13 +55,13 @@ def first_turn_prompts(tokenizer, dataset: str, limit: int, data_dir: Path | Non
     return [(q, render_prompt(tokenizer, [{"role": "user", "content": q["turns"][0]}])) for q in questions]
 
 
-def make_runner(variant: Variant, args, engine_config_from_args):
+def make_runner(variant: Variant, args, config):
     from dataclasses import replace
 
     from bench.runners import EngineRunner
     from engine.engine import Engine
 
-    config = engine_config_from_args(args, variant.drafter)
+    config = config.with_drafter(variant.drafter)
     spec = replace(config.spec, ngram_k=variant.k or config.spec.ngram_k, ngram_w=variant.w or config.spec.ngram_w)
     config = replace(config, spec=spec, scheduler=replace(config.scheduler, use_goodput_planner=variant.planner))
     runner = EngineRunner(Engine(config))
@@ -96,7 +96,7 @@ def run_headline(prompts: dict, runners: dict, reference_model, max_tokens: int)
     return rows, baselines
 
 
-def run_grid(prompts: dict, none_runner, args, engine_config_from_args, reference_model, max_tokens: int) -> list[dict]:
+def run_grid(prompts: dict, none_runner, args, config, reference_model, max_tokens: int) -> list[dict]:
     """ngram over k x w, planner off, one engine at a time; none's outputs at the same length are the reference."""
     rows = []
     baselines = {(d, q["question_id"]): none_runner.generate(p, max_tokens) for d, pairs in prompts.items() for q, p in pairs}
@@ -106,7 +106,7 @@ def run_grid(prompts: dict, none_runner, args, engine_config_from_args, referenc
     for k in GRID_K:
         for w in GRID_W:
             variant = Variant("ngram", k, w, False)
-            runner = make_runner(variant, args, engine_config_from_args)
+            runner = make_runner(variant, args, config)
             for dataset, pairs in prompts.items():
                 for question, prompt in pairs:
                     gen = runner.generate(prompt, max_tokens)
@@ -223,13 +223,13 @@ def write_results(rows: list[dict], setup: dict, out_dir: Path) -> dict:
     return results
 
 
-def run_ngram_benchmark(args, engine_config_from_args, tokenizer, out_dir: Path) -> dict:
+def run_ngram_benchmark(args, config, tokenizer, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = {"headline_questions": args.limit or 20, "headline_max_tokens": args.max_new_tokens,
              "grid_questions": args.grid_limit, "grid_max_tokens": args.grid_max_new_tokens,
              "datasets": list(DATASETS), "grid_k": list(GRID_K), "grid_w": list(GRID_W)}
     headline_prompts = {d: first_turn_prompts(tokenizer, d, setup["headline_questions"], args.data_dir) for d in DATASETS}
-    runners = {variant: make_runner(variant, args, engine_config_from_args) for variant in HEADLINE}
+    runners = {variant: make_runner(variant, args, config) for variant in HEADLINE}
     reference_model = runners[Variant("none")].engine.runner.model
     for runner in runners.values():  # one-off costs stay out of the measurements
         runner.generate(headline_prompts[DATASETS[0]][0][1], 8)
@@ -240,5 +240,5 @@ def run_ngram_benchmark(args, engine_config_from_args, tokenizer, out_dir: Path)
     gc.collect()
     if args.grid_limit:
         grid_prompts = {d: pairs[:args.grid_limit] for d, pairs in headline_prompts.items()}
-        rows += run_grid(grid_prompts, none_runner, args, engine_config_from_args, reference_model, args.grid_max_new_tokens)
+        rows += run_grid(grid_prompts, none_runner, args, config, reference_model, args.grid_max_new_tokens)
     return write_results(rows, setup, out_dir)

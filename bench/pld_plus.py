@@ -18,7 +18,6 @@ import shlex
 import sys
 import time
 from collections import defaultdict
-from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -53,22 +52,21 @@ def benchmark_questions(data_dir: Path | None, limit: int) -> list[dict]:
     return chosen
 
 
-def engine_runner(args, engine_config_from_args, drafter: str, **spec):
+def engine_runner(args, config, drafter: str, **spec):
     from bench.runners import EngineRunner
     from engine.engine import Engine
 
-    config = engine_config_from_args(args, drafter)
-    return EngineRunner(Engine(replace(config, spec=replace(config.spec, **spec))))
+    return EngineRunner(Engine(config.with_drafter(drafter, **spec)))
 
 
-def make_runners(args, engine_config_from_args) -> dict:
+def make_runners(args, config) -> dict:
     from bench.runners import HFRunner
-    from engine.model_loader import load_model
+    from engine.model.model_loader import load_model
 
-    runners = {name: engine_runner(args, engine_config_from_args, name) for name in ("none", "pld", "copyspec")}
+    runners = {name: engine_runner(args, config, name) for name in ("none", "pld", "copyspec")}
     for ranking in ("hidden", "attention"):
-        runners[f"pld-plus-{ranking}"] = engine_runner(args, engine_config_from_args, "pld-plus", pld_plus_ranking=ranking)
-    runners["hf-pld"] = HFRunner(load_model(engine_config_from_args(args, "none").model), prompt_lookup=True)
+        runners[f"pld-plus-{ranking}"] = engine_runner(args, config, "pld-plus", pld_plus_ranking=ranking)
+    runners["hf-pld"] = HFRunner(load_model(config.with_drafter("none").model), prompt_lookup=True)
     return runners
 
 
@@ -91,20 +89,20 @@ def run_main(questions: list[dict], runners: dict, tokenizer, args) -> list[dict
     return rows
 
 
-def run_ablations(args, engine_config_from_args, tokenizer) -> list[dict]:
+def run_ablations(args, config, tokenizer, num_layers: int) -> list[dict]:
     """PLD+ over its hyperparameters on the first summarization prompts: mean acceptance length and tokens/s."""
     from bench.mt import render_prompt
 
     questions = [q for q in load_questions("spec-bench", args.data_dir) if q["category"] == "summarization"]
     prompts = [render_prompt(tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in questions[:ABLATION_QUESTIONS]]
     settings = [("layer", layer, {"pld_plus_ranking": "hidden", "pld_plus_layer": layer})
-                for layer in range(1, args.num_layers, LAYER_STRIDE)]
+                for layer in range(1, num_layers, LAYER_STRIDE)]
     settings += [("heads", count or "all", {"pld_plus_ranking": "attention", "pld_plus_num_heads": count or 10**6})
                  for count in HEAD_COUNTS]
     settings += [("K", k, {"pld_plus_max_tokens": k}) for k in K_VALUES]
     rows = []
     for knob, value, spec in tqdm(settings, desc="ablations"):
-        runner = engine_runner(args, engine_config_from_args, "pld-plus", **spec)
+        runner = engine_runner(args, config, "pld-plus", **spec)
         generations = [runner.generate(prompt, ABLATION_MAX_TOKENS) for prompt in prompts]
         rows.append(ablation_row(knob, value, generations))
         del runner
@@ -210,16 +208,16 @@ def write(rows: list[dict], ablations: list[dict], setup: dict, out_dir: Path) -
     return results
 
 
-def run_pld_plus_benchmark(args, engine_config_from_args, tokenizer, out_dir: Path) -> dict:
+def run_pld_plus_benchmark(args, config, tokenizer, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     limit = args.limit or 20
     setup = {"limit": limit, "max_new_tokens": args.max_new_tokens, "drafters": list(DRAFTERS)}
-    runners = make_runners(args, engine_config_from_args)
+    runners = make_runners(args, config)
     setup["weights"] = runners["none"].engine.weights
-    args.num_layers = runners["none"].engine.runner.model.config.num_hidden_layers
+    num_layers = runners["none"].engine.runner.model.config.num_hidden_layers
     warm_up(runners, tokenizer)
     rows = run_main(benchmark_questions(args.data_dir, limit), runners, tokenizer, args)
     write(rows, [], setup, out_dir)
     runners.clear()
     gc.collect()
-    return write(rows, run_ablations(args, engine_config_from_args, tokenizer), setup, out_dir)
+    return write(rows, run_ablations(args, config, tokenizer, num_layers), setup, out_dir)

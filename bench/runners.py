@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.engine import Engine
-from engine.model_loader import LoadedModel
+from engine.model.model_loader import LoadedModel
 from engine.wire import EngineRequest, SamplingParams
 
 HF_PLD_NUM_TOKENS = 10  # prompt_lookup_num_tokens of the hf-pld peer

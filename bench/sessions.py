@@ -39,7 +39,7 @@ from bench.concurrency import level_order, running_servers, specserve_under_test
 from bench.data import load_questions
 from bench.sessions_report import ORDER, summary_rows, write_sessions_results
 from bench.sse_client import StreamedReply, chat_body, stream_chat
-from engine.model_source import resolve_model_source
+from engine.model.model_source import resolve_model_source
 
 SESSION_HEADER = "X-Session-ID"
 SESSION_NAMING_MODES = ("explicit",)  # modes whose requests carry a session id
@@ -174,16 +174,16 @@ def measure_servers(settings: list[tuple[str, str]], engine_flags: list[str], mo
         return asyncio.run(replay_all(servers, model, conversations, max_tokens, after_conversation))
 
 
-def run_sessions_benchmark(args, engine_flags: list[str], out_dir: Path) -> list[dict]:
+def run_sessions_benchmark(args, drafters: list[str], engine_flags: list[str], out_dir: Path) -> list[dict]:
     """Every (session mode, drafter) pair, one server each, interleaved by conversation; results rewritten after each."""
     out_dir.mkdir(parents=True, exist_ok=True)
     conversations = build_conversations(args.benchmarks, args.data_dir, args.limit, args.self_correction_limit)
     if not conversations:
         raise SystemExit("no conversations to replay (check --limit and --self-correction-limit)")
     model = resolve_model_source(args.model).name
-    settings = [(mode, drafter) for mode in args.session_modes for drafter in args.session_drafters]
+    settings = [(mode, drafter) for mode in args.session_modes for drafter in drafters]
     setup = {"specserve_flags": engine_flags, "max_new_tokens": args.max_new_tokens,
-             "session_modes": list(args.session_modes), "drafters": list(args.session_drafters), "order": ORDER,
+             "session_modes": list(args.session_modes), "drafters": list(drafters), "order": ORDER,
              "self_correction_prompts": list(SELF_CORRECTION_PROMPTS), "num_conversations": count_by_benchmark(conversations)}
     command = "specserve " + " ".join(sys.argv[1:])
     records = measure_servers(settings, engine_flags, model, conversations, args.max_new_tokens, out_dir,

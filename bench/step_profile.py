@@ -125,12 +125,12 @@ def profile_case(config, prompts: list[list[int]], verify: bool) -> dict:
             "step_ms": round(sum(phases.values()), 2), "phases_ms": phases, "forward_ms": operators}
 
 
-def run_step_profile(args, engine_config_from_args, tokenizer, out_dir: Path) -> dict:
+def run_step_profile(args, config, tokenizer, out_dir: Path) -> dict:
     from bench.data import load_questions
 
     questions = load_questions("mt-redundant", args.data_dir)
     prompts = [context_of(tokenizer, q) for q in questions[:16]]
-    base = engine_config_from_args(args, "copyspec")
+    base = config.with_drafter("copyspec")
     config = replace(base, scheduler=replace(base.scheduler, use_goodput_planner=False, max_num_batched_tokens=4096))
     rows = [profile_case(config, prompts[:batch], verify) for batch in (1, 16) for verify in (False, True)]
     results = {"benchmark": "step-profile", "command": "specserve " + shlex.join(sys.argv[1:]),

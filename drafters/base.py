@@ -65,6 +65,40 @@ class Computed:
     attention: torch.Tensor | None = None  # [num capture heads, start + n] the last token's attention over every position
 
 
+class PldPlusCalibrationLike(Protocol):
+    """What PLD+ reads of the served model's calibration (engine/artifacts.py's PldPlusCalibration)."""
+
+    ranking: str  # "hidden" or "attention"
+    layer: int  # hidden-state index
+    heads: list[list[int]]  # [[layer, head], ...] as many as the calibration chose
+    ranked_heads: list[list[int]]  # every head, best first
+
+
+class ModelForward(Protocol):
+    """A model the engine lends a drafter (engine/model/draft_model.py's DraftForward): packed forwards of chains
+    addressed by request, with KV at the scheduler's block tables."""
+
+    name: str
+    shares_target_kv: bool  # an early exit of the target: every position the target computed is computed for it
+
+    def __call__(self, chains: list[tuple[str, list[int], int]], num_logits: list[int] | None = None) -> list[torch.Tensor]:
+        """(request id, token ids, position of the first) per request -> per chain [num_logits, vocab] logits."""
+
+    def reserve(self, reqs: list, beside: list) -> dict[str, int]:
+        """Request id -> how many tokens it may draft this step (the scheduler decides and reserves blocks)."""
+
+    def probs(self, logits: torch.Tensor, params: object) -> torch.Tensor:
+        """[vocab] logits -> the distribution a request with sampling PARAMS samples from."""
+
+
+class AcceptanceTable(Protocol):
+    """SV's companion table (engine/artifacts.py's SvTable): a drafted token's acceptance from its (S, A) cell."""
+
+    def estimate(self, s: float, a: float) -> float: ...
+
+    def observe(self, s: float, a: float, accepted: float) -> None: ...
+
+
 @dataclass
 class DrafterContext:
     """What a drafter's builder may use: the served model's identity and shape, its own forward, a cache folder."""
@@ -74,10 +108,10 @@ class DrafterContext:
     num_layers: int
     cache_dir: Path  # model-derived tables live under it
     next_token_logits: Callable[[list[int]], torch.Tensor] = field(repr=False)  # [B] tokens -> [B, vocab]: each after BOS
-    pld_plus_calibration: object | None = None  # engine/calibration.py's PldPlusCalibration for this model, if made
-    draft_forward: object | None = None  # engine/draft_model.py's DraftForward when the engine owns a draft model
-    companion_forward: object | None = None  # the same over the companion model, when the engine owns one
-    sv_tables: dict = field(default_factory=dict)  # greedy? -> the companion's acceptance table (engine/companion.py)
+    pld_plus_calibration: PldPlusCalibrationLike | None = None  # `specserve calibrate pld-plus`'s, if made
+    draft_forward: ModelForward | None = None  # when the engine owns a draft model
+    companion_forward: ModelForward | None = None  # the same over the companion model, when the engine owns one
+    sv_tables: dict[bool, AcceptanceTable] = field(default_factory=dict)  # greedy? -> `specserve calibrate sv`'s table
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

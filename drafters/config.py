@@ -1,24 +1,32 @@
-"""Speculation configuration: which drafter, and its parameters."""
+"""Speculation configuration: which drafter, and its parameters (each one also a command-line flag)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PLD_PLUS_RANKINGS = ("auto", "hidden", "attention")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    drafter: str = "copyspec"  # a name in drafters.registry, or "none"
-    copy_gamma: int = 3  # CopySpec: length of the matched suffix (paper default 3)
-    copy_max_tokens: int = 10  # CopySpec: |S|, tokens copied after a match (paper default 10)
-    ngram_k: int = 10  # n-grams: candidate rows per draft (the paper's reference setting (k, w) = (10, 10))
-    ngram_w: int = 10  # n-grams: tokens per row
-    pld_num_tokens: int = 10  # prompt lookup: K, tokens copied after a match (Spec-Bench's default)
-    pld_plus_ranking: str = "auto"  # PLD+: hidden | attention | auto (the calibration's choice, else hidden)
-    pld_plus_max_tokens: int = 70  # PLD+: K, tokens copied after the ranked candidate (the paper's)
-    pld_plus_layer: int | None = None  # PLD+(h): hidden-state layer; None = the calibration's, else 9/32 of the depth
-    pld_plus_num_heads: int | None = None  # PLD+(a): the calibration's best N heads; None = as many as it chose
-    num_draft_tokens: int = 5  # draft model: tokens drafted per step at most (k; SV's setting)
+    drafter: str = field(default="copyspec", metadata={  # its choices are drafters.registry's names
+        "help": "how tokens are drafted (docs/drafters.md); none: plain decoding"})
+    copy_gamma: int = field(default=3, metadata={"help": "CopySpec match length γ (the paper's)"})
+    copy_max_tokens: int = field(default=10, metadata={"help": "CopySpec tokens copied per match |S| (the paper's)"})
+    ngram_k: int = field(default=10, metadata={  # the paper's reference setting (k, w) = (10, 10)
+        "help": "n-grams: candidate rows per draft, merged into one tree"})
+    ngram_w: int = field(default=10, metadata={"help": "n-grams: tokens per candidate row"})
+    pld_num_tokens: int = field(default=10, metadata={  # Spec-Bench's default
+        "help": "prompt lookup: tokens copied after a match (K)"})
+    pld_plus_ranking: str = field(default="auto", metadata={"choices": PLD_PLUS_RANKINGS, "help": (
+        "PLD+: rank copy sources by hidden states or induction-head attention (auto: the calibration's choice, "
+        "else hidden)")})
+    pld_plus_max_tokens: int = field(default=70, metadata={"help": "PLD+: tokens copied (K, the paper's)"})
+    pld_plus_layer: int | None = field(default=None, metadata={
+        "help": "PLD+(h): hidden-state layer (default: calibrated, else 9/32 of the depth)"})
+    pld_plus_num_heads: int | None = field(default=None, metadata={
+        "help": "PLD+(a): how many calibrated heads (default: as many as the calibration chose)"})
+    num_draft_tokens: int = field(default=5, metadata={  # k, SV's setting
+        "help": "draft model: tokens drafted per step at most (the goodput planner may draft fewer)"})
 
     def __post_init__(self) -> None:
         for name in ("copy_gamma", "copy_max_tokens", "ngram_k", "ngram_w", "pld_num_tokens", "pld_plus_max_tokens", "num_draft_tokens"):

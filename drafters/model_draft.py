@@ -49,7 +49,7 @@ class ModelKV:
     target computed, for an early exit; else what the model computed and the target then accepted."""
 
     def __init__(self, forward) -> None:
-        self.forward = forward  # engine/draft_model.py's DraftForward
+        self.forward = forward  # engine/model/draft_model.py's DraftForward
         self.num_valid: dict[str, int] = {}
 
     def catch_up(self, req: DraftableRequest, then: Sequence[int] = ()) -> tuple[str, list[int], int]:
@@ -81,7 +81,7 @@ class ModelDrafter(DrafterBase):
     name = "draft"
 
     def __init__(self, forward, max_tokens: int, companion=None, tables: dict[bool, object] | None = None) -> None:
-        self.forward = forward  # engine/draft_model.py's DraftForward
+        self.forward = forward  # engine/model/draft_model.py's DraftForward
         self.max_tokens = max_tokens
         self.draft_kv = ModelKV(forward)
         self.companion = ModelKV(companion) if companion is not None else None  # SV (engine/companion.py)

@@ -1,4 +1,4 @@
-"""Builds the configured drafter by name from its sub-config and a context; `none` means plain decoding."""
+"""Builds the configured drafter by name from its sub-config and a context; `none` is plain decoding."""
 from __future__ import annotations
 
 import logging
@@ -10,6 +10,7 @@ from drafters.config import SpecConfig
 from drafters.copyspec import CopySpecDrafter
 from drafters.model_draft import CopyThenDraft, ModelDrafter
 from drafters.ngram import NgramDrafter
+from drafters.none import NoDrafter
 from drafters.pld import PromptLookupDrafter
 from drafters.pld_plus import PldPlusDrafter
 
@@ -76,6 +77,7 @@ def model_bigram(context: DrafterContext) -> BackgroundTable:
 logger = logging.getLogger("specserve.drafters")
 
 _BUILDERS: dict[str, Callable[[SpecConfig, DrafterContext], Drafter]] = {
+    "none": lambda config, context: NoDrafter(),
     "copyspec": _copyspec,
     "copyspec+draft": _copyspec_then_draft,
     "draft": _draft,
@@ -84,12 +86,10 @@ _BUILDERS: dict[str, Callable[[SpecConfig, DrafterContext], Drafter]] = {
     "pld-plus": _pld_plus,
 }
 
-DRAFTER_NAMES = ("none", *_BUILDERS)
+DRAFTER_NAMES = tuple(_BUILDERS)
 
 
-def build_drafter(config: SpecConfig, context: DrafterContext) -> Drafter | None:
-    if config.drafter == "none":
-        return None
+def build_drafter(config: SpecConfig, context: DrafterContext) -> Drafter:
     try:
         builder = _BUILDERS[config.drafter]
     except KeyError:

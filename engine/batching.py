@@ -9,7 +9,7 @@ import torch
 
 from drafters.base import CaptureSpec, Computed
 from drafters.tree import ROOT
-from engine.forward import ForwardBatch, ForwardItem, ForwardOutput, tree_item
+from engine.model.forward import ForwardBatch, ForwardItem, ForwardOutput, tree_item
 from scheduler.records import ScheduledRequest, Verification
 
 

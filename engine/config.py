@@ -1,30 +1,44 @@
-"""Engine configuration: the model, its device and dtype, and the sub-configs the engine composes."""
+"""Engine configuration: the model, its device and dtype, and the sub-configs the engine composes.
+
+A field with a "help" in its metadata is also a command-line flag (server/flags.py makes them)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from drafters.config import SpecConfig
-from scheduler.config import SESSION_MODES, SchedulerConfig, SessionConfig
+from scheduler.config import SchedulerConfig, SessionConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-WEIGHT_MODES = ("auto", "float32", "bfloat16", "int8", "int4", "w4a8")  # engine/weights.py; kept here so config imports no torch
+WEIGHT_MODES = ("auto", "float32", "bfloat16", "int8", "int4", "w4a8")  # engine/model/weights.py; kept here so config imports no torch
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = None  # HF id, local directory or .gguf file; None = embedded default
-    device: str = "auto"
-    dtype: str = "auto"
-    max_model_len: int | None = None  # None = the model's own limit, capped at 8192
-    trust_remote_code: bool = False
-    num_threads: int | None = None  # CPU threads for torch; None = torch's default
+    model: str | None = field(default=None, metadata={
+        "help": "HF model id, local directory or .gguf file (default: embedded SmolLM2-135M-Instruct)"})
+    device: str = field(default="auto", metadata={"help": "where the models run", "choices": DEVICES})
+    dtype: str = field(default="auto", metadata={
+        "help": "the model's dtype (auto: float32 on CPU, bfloat16 on CUDA)", "choices": DTYPES})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "context length in tokens (default: the model's own, capped at 8192)"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "let transformers run the model repo's own code"})
+    num_threads: int | None = field(default=None, metadata={"help": "CPU threads for torch (default: torch's)"})
     seed: int = 0  # torch's global seed, for requests sampled without a seed of their own
-    cache_dir: str | None = None  # tables derived from the model (drafters); None = $XDG_CACHE_HOME/specserve
-    weights: str = "auto"  # how Linear layers keep their weights: auto | float32 | bfloat16 | int8 | int4 | w4a8 (engine/weights.py)
-    draft_model: str | None = None  # early-exit:N, or what `model` takes; None = no draft model (engine/draft_model.py)
-    companion_model: str | None = None  # SV's companion: the same forms (engine/companion.py); None = statistics only
+    cache_dir: str | None = field(default=None, metadata={
+        "help": "where tables and calibrations derived from the model are kept (default: $XDG_CACHE_HOME/specserve)"})
+    weights: str = field(default="auto", metadata={"choices": WEIGHT_MODES, "help": (
+        "how Linear layers keep their weights on the CPU: float32, bfloat16, int8 or int4 (weight-only kernels; "
+        "a GGUF's Q4 blocks map onto int4 directly), or w4a8 (the GGUF's blocks with activations rounded to 8 bits, "
+        "multiplied in integers as llama.cpp does; AVX512-VNNI). auto: w4a8, else int4, for a Q4 GGUF on an "
+        "AVX-512 CPU, else float32")})
+    draft_model: str | None = field(default=None, metadata={"help": (
+        "a draft model for --drafter draft / copyspec+draft: early-exit:N (the target's first N layers and its LM "
+        "head, sharing its weights and KV) or what --model takes (same vocabulary as the target)")})
+    companion_model: str | None = field(default=None, metadata={"help": (
+        "Speculative Verification's companion (the same forms as --draft-model): scores each drafted token so that "
+        "the goodput planner verifies the ones worth it; its table comes from `specserve calibrate sv`")})
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -39,9 +53,12 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    kv_cache_memory_gib: float = 2.0  # memory of the paged KV pool, allocated at start-up
-    block_size: int | None = None  # positions per KV block; None = 16, or 256 for flash-attn
-    attention_backend: str = "auto"  # auto | sdpa | flash (flash-attn on CUDA, when installed)
+    kv_cache_memory_gib: float = field(default=2.0, metadata={
+        "flag": "--kv-cache-memory", "help": "GiB of memory for the paged KV pool, allocated at start-up"})
+    block_size: int | None = field(default=None, metadata={
+        "help": "positions per KV block (default: 16; 256 with flash-attn)"})
+    attention_backend: str = field(default="auto", metadata={
+        "help": "flash needs CUDA and flash-attn", "choices": ATTENTION_BACKENDS})
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory_gib <= 0:
@@ -59,3 +76,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     sessions: SessionConfig = field(default_factory=SessionConfig)
+
+    def with_drafter(self, drafter: str, **spec) -> EngineConfig:
+        """This config drafting with DRAFTER, SPEC replacing other speculation fields (a benchmark's variants)."""
+        return replace(self, spec=replace(self.spec, drafter=drafter, **spec))

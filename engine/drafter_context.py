@@ -1,38 +1,41 @@
-"""What a drafter's builder is given (drafters/base.py's DrafterContext), made from the loaded target.
-
-Model-derived tables are named by a fingerprint of the served weights (not of a path),
-so the same weights find their tables wherever they were loaded from, and weights
-served at another precision get tables of their own.
-"""
+"""What a drafter's builder is given (drafters/base.py's DrafterContext), made from the loaded target, the
+models the engine lends its drafter, and the calibration artifacts found for them (engine/artifacts.py)."""
 from __future__ import annotations
 
-import hashlib
-import os
 from pathlib import Path
 
 import torch
 
 from drafters.base import DrafterContext
+from engine.artifacts import (
+    PldPlusCalibration,
+    calibration_path,
+    default_cache_dir,
+    load_sv_tables,
+    sv_fingerprints,
+    weights_fingerprint,
+)
 from engine.config import ModelConfig
-from engine.forward import ForwardBatch, ForwardItem
-from engine.model_loader import LoadedModel
-from engine.packed_runner import PackedModelRunner
-from engine.paged_attention import PagedKVPool, kv_shape
+from engine.model.draft_model import DraftForward
+from engine.model.forward import ForwardBatch, ForwardItem
+from engine.model.model_loader import LoadedModel
+from engine.model.packed_runner import PackedModelRunner
+from engine.model.paged_attention import PagedKVPool, kv_shape
 
 SINGLE_TOKEN_BATCH = 256  # bare tokens per forward of `next_token_logits`, and slots of its scratch pool
-FINGERPRINT_STRIDE = 97  # every 97th row of the token embedding enters the fingerprint
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specserve"
-
-
-def drafter_context(loaded: LoadedModel, config: ModelConfig) -> DrafterContext:
-    from engine.calibration import PldPlusCalibration, calibration_path
-
+def drafter_context(
+    loaded: LoadedModel, config: ModelConfig,
+    draft_forward: DraftForward | None = None, companion_forward: DraftForward | None = None,
+) -> DrafterContext:
+    """The context of LOADED's drafter; SV's tables are looked up when the engine owns both a draft and a companion."""
     model_config = loaded.model.config
     fingerprint = weights_fingerprint(loaded.model, loaded.weights)
-    cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+    cache_dir = model_cache_dir(config)
+    sv_tables = {}
+    if draft_forward and companion_forward:
+        sv_tables = load_sv_tables(cache_dir, sv_fingerprints(fingerprint, draft_forward, companion_forward))
     return DrafterContext(
         model_fingerprint=fingerprint,
         vocab_size=model_config.vocab_size,
@@ -40,18 +43,15 @@ def drafter_context(loaded: LoadedModel, config: ModelConfig) -> DrafterContext:
         cache_dir=cache_dir,
         next_token_logits=SingleTokenForward(loaded),
         pld_plus_calibration=PldPlusCalibration.load(calibration_path(cache_dir, fingerprint)),
+        draft_forward=draft_forward,
+        companion_forward=companion_forward,
+        sv_tables=sv_tables,
     )
 
 
-@torch.no_grad()
-def weights_fingerprint(model: torch.nn.Module, weights: str) -> str:
-    """16 hex digits naming the served weights: the config, how the Linear layers keep them (engine/weights.py),
-    the dtype and a sample of the token embedding."""
-    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
-    weight = model.get_input_embeddings().weight
-    digest.update(f"{weights} {weight.dtype}".encode())
-    digest.update(weight[::FINGERPRINT_STRIDE].float().cpu().numpy().tobytes())
-    return digest.hexdigest()[:16]
+def model_cache_dir(config: ModelConfig) -> Path:
+    """Where model-derived tables and calibration artifacts live: --cache-dir, else $XDG_CACHE_HOME/specserve."""
+    return Path(config.cache_dir) if config.cache_dir else default_cache_dir()
 
 
 class SingleTokenForward:
@@ -86,15 +86,3 @@ class SingleTokenForward:
         if self.bos_token_id is None:
             return ForwardItem([token], [0], [slot], [slot], 0, logit_rows=[0])
         return ForwardItem([token], [1], [slot], [0, slot], 1, logit_rows=[0])  # KV index 0 is the shared BOS
-
-
-def build_model_tables(config: ModelConfig) -> dict[str, Path]:
-    """Load the model and build every table drafters derive from it (the model bigram), or find it cached."""
-    from drafters.registry import model_bigram
-    from engine.model_loader import load_model
-
-    loaded = load_model(config)
-    table = model_bigram(drafter_context(loaded, config))
-    if table.wait() is None:
-        raise RuntimeError("building the model bigram table failed (see the log)")
-    return {"bigram": table.path}

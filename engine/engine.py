@@ -9,20 +9,32 @@ from drafters.base import Draft
 from drafters.registry import build_drafter
 from engine.batching import forward_batch
 from engine.config import CacheConfig, EngineConfig
-from engine.companion import load_sv_tables, sv_fingerprints
-from engine.draft_model import DraftForward, DraftModel, draft_pool, load_draft_model
 from engine.drafter_context import drafter_context
-from engine.forward import ForwardBatch, ForwardOutput
 from engine.grammar import GrammarError, Grammars
-from engine.model_loader import LoadedModel, load_model
-from engine.packed_runner import PackedModelRunner
-from engine.paged_attention import FLASH_BLOCK_SIZE, PagedKVPool, kv_shape, resolve_attention_backend
-from engine.profiler import profile_forward_latency, profile_path_seconds
+from engine.model.draft_model import (
+    DraftForward,
+    DraftModel,
+    Reserve,
+    draft_pool,
+    load_draft_model,
+    reserve_nothing,
+)
+from engine.model.forward import ForwardBatch, ForwardOutput
+from engine.model.model_loader import LoadedModel, load_model
+from engine.model.packed_runner import PackedModelRunner
+from engine.model.paged_attention import FLASH_BLOCK_SIZE, PagedKVPool, kv_shape, resolve_attention_backend
+from engine.model.profiler import profile_forward_latency, profile_path_seconds
+from engine.model.tokenizer import load_tokenizer
 from engine.speculation import Speculation
-from engine.tokenizer import load_tokenizer
 from engine.verifier import Verifier
 from engine.wire import (
-    EngineError, EngineOutputs, EngineReady, EngineRequest, RequestOutput, StepStats, TokenLogprob,
+    EngineError,
+    EngineOutputs,
+    EngineReady,
+    EngineRequest,
+    RequestOutput,
+    StepStats,
+    TokenLogprob,
 )
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.latency import LatencyModel
@@ -41,7 +53,7 @@ class Engine:
         torch.manual_seed(config.model.seed)
         loaded = load_model(config.model)
         self.model_name = loaded.source.name
-        self.weights = loaded.weights  # how the Linear layers keep their weights (engine/weights.py)
+        self.weights = loaded.weights  # how the Linear layers keep their weights (engine/model/weights.py)
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = loaded.model.config.vocab_size
         backend = resolve_attention_backend(config.cache.attention_backend, loaded.device)
@@ -53,7 +65,10 @@ class Engine:
         self.runner = PackedModelRunner(loaded.model, loaded.device, pool, blocks.block_size, backend)
         self.latency_profile = profile_forward_latency(self.runner, blocks, self.vocab_size, self.max_model_len)  # s by num tokens
         self.path_seconds_per_position = profile_path_seconds(self.runner, blocks, self.vocab_size, self.max_model_len)
-        self.draft_forward = self._draft_forward(draft, pool, blocks, backend, loaded) if draft else None
+        self.num_draft_tokens = config.spec.num_draft_tokens
+        self.draft_forward = (
+            self._draft_forward(draft, pool, blocks, backend, loaded, self._reserve_model_drafts) if draft else None
+        )
         self.companion_forward = self._draft_forward(companion, pool, blocks, backend, loaded) if companion else None
         sessions = SessionStore(config.sessions, blocks) if config.sessions.mode != "off" else None
         self.scheduler = Scheduler(
@@ -62,29 +77,22 @@ class Engine:
             draft_latency=LatencyModel(self.draft_forward.latency_profile) if draft else None,
             companion_latency=LatencyModel(self.companion_forward.latency_profile) if companion else None,
         )
-        context = drafter_context(loaded, config.model)
-        context.draft_forward, context.companion_forward = self.draft_forward, self.companion_forward
-        self.draft_model, self.companion_model = draft, companion
+        context = drafter_context(loaded, config.model, self.draft_forward, self.companion_forward)
         self.cache_dir, self.model_fingerprint = context.cache_dir, context.model_fingerprint
-        if draft and companion:
-            context.sv_tables = load_sv_tables(context.cache_dir, sv_fingerprints(context.model_fingerprint, draft, companion))
         self.speculation = Speculation(build_drafter(config.spec, context))
-        self.num_draft_tokens = config.spec.num_draft_tokens
-        if self.draft_forward:
-            self.draft_forward.reserve = self._reserve_model_drafts
         self.max_session_host_bytes = int(config.sessions.host_memory_mib * 2**20)
         self.grammars = Grammars(lambda: load_tokenizer(config.model), self.vocab_size, self.eos_token_ids)
         self.verifier = Verifier(self.grammars)
 
     def _draft_forward(
         self, draft: DraftModel, pool: PagedKVPool, blocks: KVBlockManager, backend: str, loaded: LoadedModel,
+        reserve: Reserve = reserve_nothing,
     ) -> DraftForward:
         """A draft (or companion) model's runner over its pool (the target's, for an early exit), its latency
         profiled like the target's."""
         runner = PackedModelRunner(draft.model, loaded.device, draft_pool(draft, pool, loaded.device), blocks.block_size, backend)
-        forward = DraftForward(draft, runner, blocks)
-        forward.latency_profile = profile_forward_latency(runner, blocks, self.vocab_size, self.max_model_len)
-        return forward
+        profile = profile_forward_latency(runner, blocks, self.vocab_size, self.max_model_len)
+        return DraftForward(draft, runner, blocks, profile, reserve)
 
     def ready_message(self) -> EngineReady:
         return EngineReady(

@@ -11,7 +11,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.wire import AbortRequest, EngineDead, EngineError, EngineOutputs, RequestOutput, StepStats, ToEngine
-from scheduler.scheduler import QueueFullError
+from scheduler.admission import QueueFullError
 
 logger = logging.getLogger("specserve.engine")
 

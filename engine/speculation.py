@@ -16,27 +16,26 @@ from typing import Sequence
 
 from drafters.base import CaptureSpec, Draft, Drafter
 from engine.batching import computed_for_drafter
-from engine.forward import ForwardBatch, ForwardOutput
+from engine.model.forward import ForwardBatch, ForwardOutput
 from scheduler.records import ScheduledRequest, Verification
 from scheduler.request import Request
 
 
 class Speculation:
-    def __init__(self, drafter: Drafter | None) -> None:
+    def __init__(self, drafter: Drafter) -> None:
         self.drafter = drafter
         self.session_states: OrderedDict[str, object] = OrderedDict()  # session key -> state, least recently used first
 
     @property
     def captures(self) -> CaptureSpec:
-        return self.drafter.captures if self.drafter else CaptureSpec()
+        return self.drafter.captures
 
     def begin(self, req: Request, session_key: str | None) -> bool:
         """A new request; SESSION_KEY names the session whose state it resumes (one turn at a time takes it).
 
         Returns whether a state was resumed."""
         state = self.session_states.pop(session_key, None) if session_key else None
-        if self.drafter:
-            self.drafter.begin(req, state)
+        self.drafter.begin(req, state)
         return state is not None
 
     def observe(
@@ -44,30 +43,28 @@ class Speculation:
         results: list[Verification],
     ) -> None:
         """Show the drafter every token the step committed, prefill chunks included, with its captures."""
-        if not self.drafter or output is None:
+        if output is None:
             return
         for i, (item, forward, result) in enumerate(zip(scheduled, batch.items, results)):
             self.drafter.observe(item.req, computed_for_drafter(item, forward, result, output, i))
 
     def extend(self, req: Request, new_token_ids: Sequence[int]) -> None:
-        if self.drafter:
-            self.drafter.extend(req, new_token_ids)
+        self.drafter.extend(req, new_token_ids)
 
     def propose(self, reqs: list[Request]) -> list[Draft]:
-        return self.drafter.propose(reqs) if self.drafter and reqs else []
+        return self.drafter.propose(reqs) if reqs else []
 
     def distributions(self, req: Request):
         """The distributions the request's draft was sampled from (a draft model's q), or None for point masses."""
-        return self.drafter.distributions(req) if self.drafter else None
+        return self.drafter.distributions(req)
 
     def preempt(self, reqs: list[Request]) -> None:
-        if self.drafter:
-            for req in reqs:
-                self.drafter.preempt(req)
+        for req in reqs:
+            self.drafter.preempt(req)
 
     def finish(self, req: Request, session_key: str | None) -> None:
         """The request is gone; its drafter state is kept for the session's next turn, if it updated one."""
-        state = self.drafter.finish(req) if self.drafter else None
+        state = self.drafter.finish(req)
         if session_key is not None and state is not None:
             self.session_states[session_key] = state
             self.session_states.move_to_end(session_key)
@@ -83,7 +80,7 @@ class Speculation:
 
     def state_bytes(self) -> int:
         """Host memory of drafter states: the live requests' and the cached sessions'."""
-        return (self.drafter.state_bytes() if self.drafter else 0) + self.session_state_bytes()
+        return self.drafter.state_bytes() + self.session_state_bytes()
 
     def session_state_bytes(self) -> int:
         return sum(state.num_bytes for state in self.session_states.values())

@@ -33,9 +33,9 @@ emitted before it, so each position's distribution is plain decoding's there.
 """
 from __future__ import annotations
 
-import torch
-
 from collections.abc import Callable
+
+import torch
 
 from drafters.tree import ROOT, chain_parents, children, depths
 from engine.grammar import Grammars

@@ -34,7 +34,7 @@ from scheduler.sessions import SessionStore
 
 
 class QueueFullError(RuntimeError):
-    pass
+    """The waiting queue is full (--max-waiting): the request is refused, and the server answers 429."""
 
 
 class Admission:

@@ -1,17 +1,21 @@
-"""Scheduling configuration: batch limits, the token budget and the goodput planner."""
+"""Scheduling configuration: batch limits, the token budget, the goodput planner and session caches.
+
+A field with a "help" in its metadata is also a command-line flag (server/flags.py makes them)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SESSION_MODES = ("implicit", "explicit", "off")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64  # requests running at once
-    max_num_batched_tokens: int = 512  # tokens in one step's packed forward: prefill chunks, last tokens, drafts
-    max_waiting: int = 256  # queued requests before new ones are refused
-    use_goodput_planner: bool = True  # False: verify every drafted token the budget allows
+    max_num_seqs: int = field(default=64, metadata={"help": "requests running at once"})
+    max_num_batched_tokens: int = field(default=512, metadata={
+        "help": "token budget of one step: prefill chunks, last tokens and drafts"})
+    max_waiting: int = field(default=256, metadata={"help": "queued requests before new ones get 429"})
+    use_goodput_planner: bool = field(default=True, metadata={
+        "flag": "--no-goodput-planner", "help": "verify every drafted token the budget allows"})
     acceptance_prior: float = 0.5  # prior acceptance of a drafted token before any is observed
     acceptance_prior_weight: float = 4.0  # how many observations the prior is worth
 
@@ -30,10 +34,14 @@ class SchedulerConfig:
 class SessionConfig:
     """Multi-turn session caches (scheduler/sessions.py)."""
 
-    mode: str = "implicit"  # implicit: named sessions and longest cached prefix | explicit: named sessions only | off
-    ttl_s: float = 600.0  # seconds a session stays cached after its last use
-    max_sessions: int = 256  # sessions cached at once; the least recently used goes first
-    host_memory_mib: float = 512.0  # host memory of cached sessions (histories, drafter states); LRU beyond it
+    mode: str = field(default="implicit", metadata={"flag": "--session-mode", "choices": SESSION_MODES, "help": (
+        "multi-turn session caches: implicit (X-Session-ID / session_id, else the longest cached prefix), "
+        "explicit (named sessions only) or off")})
+    ttl_s: float = field(default=600.0, metadata={
+        "flag": "--session-ttl", "help": "seconds a session stays cached after its last use"})
+    max_sessions: int = field(default=256, metadata={"help": "sessions cached at once (least recently used go first)"})
+    host_memory_mib: float = field(default=512.0, metadata={"flag": "--session-host-memory", "help": (
+        "MiB of host memory for cached sessions (histories, drafter states); least recently used go first")})
 
     def __post_init__(self) -> None:
         if self.mode not in SESSION_MODES:

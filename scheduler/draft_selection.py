@@ -17,6 +17,7 @@ from scheduler.planner import PlannedTree, expected_accepted, plan_verification
 from scheduler.records import ScheduledRequest
 from scheduler.request import Request
 
+
 def draft_depth_limit(req: Request, max_model_len: int) -> int:
     """Draft depth worth considering: no more tokens than the request may still generate after its bonus token."""
     return max(min(req.max_new_tokens_left, max_model_len - len(req.all_token_ids)) - 1, 0)

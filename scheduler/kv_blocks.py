@@ -7,7 +7,7 @@ Placement keeps each request's blocks one contiguous run whenever the pool has
 room: a new request starts in the middle of the largest free run (leaving its
 neighbour room to grow too) and grows into the block after its last one. Attention
 can then read such a request's keys and values in place instead of gathering its
-blocks (engine/paged_attention.py); when the pool is fragmented a table simply
+blocks (engine/model/paged_attention.py); when the pool is fragmented a table simply
 takes whichever blocks are free, and nothing but speed depends on contiguity.
 """
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Latency model of one forward pass: how many tokens it carries, and how many root-to-leaf paths its trees add;
 and what real steps cost beyond it, as measured.
 
-A draft tree is attended as the chains of its paths (engine/attention_layout.py), each
+A draft tree is attended as the chains of its paths (engine/model/attention_layout.py), each
 reading its request's whole cached context again, so a tree costs more than a chain of
 as many tokens: each path beyond the first costs about `path_seconds_per_position` per
-position of context it reads (profiled at start-up, engine/profiler.py).
+position of context it reads (profiled at start-up, engine/model/profiler.py).
 
 The profile is one request's forward; a real step of B requests also attends over B
 contexts and samples and verifies B rows. What that costs beyond the profile is learnt

@@ -7,8 +7,6 @@ from fastapi import Request
 
 from server.errors import APIError
 
-API_KEY_ENV = "SPECSERVE_API_KEY"  # where the CLI looks when --api-key is not given
-
 
 def invalid_api_key() -> APIError:
     return APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.", code="invalid_api_key")

@@ -9,7 +9,10 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import Response
 
+from server.choices import FinishedChoice
 from server.errors import APIError
+from server.generation import Delta
+from server.logprobs import LogprobFormatter
 from server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -23,9 +26,6 @@ from server.protocol import (
     ToolDefinition,
     Usage,
 )
-from server.choices import FinishedChoice
-from server.generation import Delta
-from server.logprobs import LogprobFormatter
 from server.serving import ServingContext, build_engine_requests, new_request_id, respond
 from server.tools import ToolCallStreams, conversation_with_tools, offered_tools, tool_call_reply, tool_grammar
 

@@ -7,8 +7,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from server.errors import APIError
 from server.choices import FinishedChoice
+from server.errors import APIError
 from server.generation import Delta
 from server.logprobs import LogprobFormatter
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, SpecStatsInfo, Usage

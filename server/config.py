@@ -1,25 +1,34 @@
-"""The root configuration, built once from CLI flags and passed down by constructors."""
+"""The root configuration, built once from CLI flags and passed down by constructors.
+
+A field with a "help" in its metadata is also a command-line flag (server/flags.py makes them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 
+API_KEY_ENV = "SPECSERVE_API_KEY"
+
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None  # None = the model's own name
-    engine_start_timeout_s: float = 600.0  # seconds to wait for the engine's ready message
-    engine_max_restarts: int = 5  # engine restarts allowed within engine_restart_window_s; one more death: exit 1
-    engine_restart_window_s: float = 600.0
-    engine_stall_timeout_s: float = 120.0  # an engine with work in flight that sends nothing this long is wedged
-    drain_timeout_s: float = 30.0  # SIGTERM: seconds requests in flight get to finish before the server stops
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "port to listen on"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "the model name /v1/models shows and requests use (default: the model's own)"})
+    engine_start_timeout_s: float = field(default=600.0, metadata={"flag": "--engine-start-timeout", "help": (
+        "seconds an engine may take to load before it counts as failed (raise it for large models)")})
+    engine_max_restarts: int = field(default=5, metadata={
+        "help": "engine restarts allowed within --engine-restart-window; one more death and the server exits 1"})
+    engine_restart_window_s: float = field(default=600.0, metadata={"flag": "--engine-restart-window", "help": "seconds"})
+    engine_stall_timeout_s: float = field(default=120.0, metadata={"flag": "--engine-stall-timeout", "help": (
+        "seconds an engine with requests in flight may send nothing before it is treated as dead")})
+    drain_timeout_s: float = field(default=30.0, metadata={"flag": "--drain-timeout", "help": (
+        "SIGTERM: seconds requests in flight get to finish while new ones get 503")})
     max_request_bytes: int = 4 * 1024 * 1024
-    api_key: str | None = None  # None: no authentication
-    max_choices: int = 16  # the largest `n` a request may ask for
-
+    api_key: str | None = field(default=None, metadata={  # None: no authentication
+        "env": API_KEY_ENV, "help": f"require this bearer key on /v1 (default: ${API_KEY_ENV})"})
+    max_choices: int = field(default=16, metadata={"help": "the largest n a request may ask for"})
 
     def __post_init__(self) -> None:
         if self.api_key == "":

@@ -17,7 +17,17 @@ import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.process import run_engine_process
-from engine.wire import AbortRequest, EngineDead, EngineOutputs, EngineReady, EngineRequest, FromEngine, RequestOutput, StepStats
+from engine.wire import (
+    AbortRequest,
+    EngineDead,
+    EngineOutputs,
+    EngineReady,
+    EngineRequest,
+    FromEngine,
+    RequestOutput,
+    StepStats,
+)
+from scheduler.admission import QueueFullError
 from server.config import ServerConfig
 from server.metrics import ServerMetrics
 from server.supervision import RestartBudget, death_cause, exit_reason
@@ -26,10 +36,6 @@ logger = logging.getLogger("specserve.server")
 
 
 class EngineDeadError(RuntimeError):
-    pass
-
-
-class QueueFullError(RuntimeError):
     pass
 
 

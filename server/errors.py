@@ -12,7 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.engine_client import EngineDeadError, EngineRequestError, QueueFullError
+from scheduler.admission import QueueFullError
+from server.engine_client import EngineDeadError, EngineRequestError
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"

@@ -30,7 +30,7 @@ from bench.concurrency import (
     write_concurrency_results,
 )
 from bench.server_process import free_port, start_process, stop_server
-from engine.model_source import ModelSource
+from engine.model.model_source import ModelSource
 
 SPEC_KEYS = ("mean_acceptance_length", "drafted_tokens", "verified_draft_tokens")
 # A stand-in OpenAI server: /health answers 200, no /metrics; each chat request appends its `model` to LOG (and its
@@ -189,7 +189,7 @@ def test_percentile_is_nearest_rank(fraction, expected):
 
 
 def test_a_gguf_is_dequantized_once_per_file_version(tmp_path, monkeypatch):
-    import engine.gguf_cache as gguf_cache
+    import engine.model.gguf_cache as gguf_cache
 
     gguf = tmp_path / "models" / "tiny.Q4_1.gguf"
     gguf.parent.mkdir()

@@ -23,6 +23,7 @@ from bench.sessions import (
 )
 from bench.sessions_report import ORDER, ORDER_NOTE, speed_ratios, summary_rows, ttft_ratios, write_sessions_results
 from bench.sse_client import StreamedReply
+from server.cli import engine_config
 from specserve import build_parser
 from tests.conftest import TEST_DATA_DIR
 
@@ -231,7 +232,7 @@ def test_cli_runs_off_first_and_passes_engine_flags_on():
     args = build_parser().parse_args(["bench", "sessions", "--session-modes", "implicit,off", "--kv-cache-memory", "0.5"])
     assert args.session_modes == ("off", "implicit") and args.benchmarks == SESSION_BENCHMARKS
     assert args.self_correction_limit == 20
-    flags = specserve_engine_flags(args)
+    flags = specserve_engine_flags(engine_config(args))
     assert flags[flags.index("--kv-cache-memory") + 1] == "0.5"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "sessions", "--session-modes", "sometimes"])

@@ -4,7 +4,6 @@ ships; the prometheus-operator kinds against tests/deploy/crd_schemas.py; and th
 (selectors, named ports, probe paths, scale target, the metric the autoscaler reads, session-affinity hashing)."""
 from __future__ import annotations
 
-
 import jsonschema
 import kubernetes_validate
 import pytest

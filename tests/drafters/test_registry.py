@@ -6,6 +6,7 @@ import torch
 
 from drafters.base import DrafterContext
 from drafters.config import SpecConfig
+from drafters.none import NoDrafter
 from drafters.registry import DRAFTER_NAMES, build_drafter
 
 
@@ -16,7 +17,7 @@ def context(tmp_path: Path, vocab=16) -> DrafterContext:
 
 def test_registry_builds_by_name(tmp_path):
     assert DRAFTER_NAMES == ("none", "copyspec", "copyspec+draft", "draft", "ngram", "pld", "pld-plus")
-    assert build_drafter(SpecConfig(drafter="none"), context(tmp_path)) is None
+    assert isinstance(build_drafter(SpecConfig(drafter="none"), context(tmp_path)), NoDrafter)
     copy = build_drafter(SpecConfig(drafter="copyspec", copy_gamma=5, copy_max_tokens=7), context(tmp_path))
     assert (copy.gamma, copy.max_tokens) == (5, 7)
     ngram = build_drafter(SpecConfig(drafter="ngram", ngram_k=4, ngram_w=6), context(tmp_path))

@@ -8,8 +8,8 @@ from bench.exactness import divergence_verdict
 from bench.mt import render_prompt
 from bench.server_process import start_server, stop_server
 from engine.config import ModelConfig
-from engine.model_loader import load_model
-from engine.tokenizer import load_tokenizer
+from engine.model.model_loader import load_model
+from engine.model.tokenizer import load_tokenizer
 
 MODEL = "SmolLM2-135M-Instruct"
 TURN1 = "Write a short poem about a lighthouse keeper."

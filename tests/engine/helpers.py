@@ -36,7 +36,7 @@ def w4a8_param() -> "pytest.param":
     """The w4a8 weight mode as a test parameter, skipped (with the reason) where its kernel cannot run."""
     import pytest
 
-    from engine.w4a8 import available
+    from engine.model.w4a8 import available
 
     return pytest.param("w4a8", marks=pytest.mark.skipif(
         not available(), reason="--weights w4a8 needs AVX512-VNNI and a C++ compiler for its kernel"))

@@ -8,9 +8,9 @@ from bench.mt import turn_prompts
 from drafters.config import SpecConfig
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
+from engine.model.tokenizer import load_tokenizer
 from engine.wire import SamplingParams
 from scheduler.config import SchedulerConfig
-from engine.tokenizer import load_tokenizer
 from tests.conftest import TEST_DATA_DIR
 from tests.engine.helpers import run_to_completion
 

@@ -8,8 +8,8 @@ from bench.mt import render_prompt
 from bench.sessions import mt_redundant_conversations, self_correction_conversations
 from engine.config import EngineConfig, SessionConfig
 from engine.engine import Engine
+from engine.model.tokenizer import load_tokenizer
 from engine.wire import SamplingParams
-from engine.tokenizer import load_tokenizer
 from tests.conftest import TEST_DATA_DIR
 from tests.engine.helpers import run_to_completion
 

@@ -11,7 +11,7 @@ from engine.config import ModelConfig
 from engine.grammar import GrammarError, Grammars
 from engine.logits_processing import LogitsProcessor
 from engine.logprobs import FORBIDDEN_LOGPROB, token_logprob
-from engine.tokenizer import load_tokenizer
+from engine.model.tokenizer import load_tokenizer
 from engine.verifier import Verifier
 from engine.wire import SamplingParams
 from scheduler.request import Request

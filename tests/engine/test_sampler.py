@@ -1,7 +1,6 @@
 """The target distribution, inverse-CDF sampling and the per-position uniform stream."""
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from engine.sampler import UniformStream, inverse_cdf_samples, target_probs
 from engine.wire import SamplingParams

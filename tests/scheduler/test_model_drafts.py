@@ -1,6 +1,6 @@
 """How many tokens requests draft with a model: the batch's depth by expected goodput, blocks reserved for them."""
-from engine.wire import SamplingParams
 from drafters.base import Draft
+from engine.wire import SamplingParams
 from scheduler.acceptance import TreeAcceptance
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.model_drafts import EXPLORE_SHARE, MIN_EXPLORE_SHARE, ModelDraftBudget, best_draft_depth

@@ -3,7 +3,12 @@ import pytest
 
 from scheduler.latency import LatencyModel
 from scheduler.planner import (
-    PlannedTree, expected_accepted, greedy_order, num_extra_paths, path_probabilities, plan_verification,
+    PlannedTree,
+    expected_accepted,
+    greedy_order,
+    num_extra_paths,
+    path_probabilities,
+    plan_verification,
 )
 
 CPU_LIKE = LatencyModel({1: 0.069, 2: 0.072, 4: 0.080, 11: 0.134, 16: 0.150})  # seconds, measured CPU figures

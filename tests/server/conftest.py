@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import ModelConfig
-from engine.tokenizer import load_tokenizer
+from engine.model.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="session")

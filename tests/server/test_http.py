@@ -12,9 +12,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.wire import EngineReady, StepStats
+from scheduler.admission import QueueFullError
 from server.app import build_app
 from server.config import Config, ServerConfig
-from server.engine_client import EngineDeadError, EngineRequestError, QueueFullError
+from server.engine_client import EngineDeadError, EngineRequestError
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 64

@@ -1,0 +1,12 @@
+"""What `specserve calibrate` takes besides the engine's flags."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CalibrationOptions:
+    max_new_tokens: int = 192  # tokens of each calibration answer
+    out: Path | None = None  # sv: also write the Brier scores and information gain here
+    command: str = ""  # the command line, recorded in what `out` receives

@@ -1,0 +1,172 @@
+"""The companion estimator of Speculative Verification (SV, §4): what each model-drafted token is worth.
+
+After drafting, a companion model c (an early exit of the target, or a small model of its
+vocabulary) scores the drafted tokens. Per token x with draft distribution q:
+    S = sum_v min(q(v), c(v))       the draft-companion overlap (1 - total variation),
+    A = min(1, c(x) / q(x))         x's acceptance if the companion were the target.
+The estimate of x's acceptance (given its parent's) is a table over equal-frequency bins
+of S (SV: 10-30) and of A (SV: 10-20), each cell the mean expected acceptance
+min(1, p(x)/q(x)) of the profiling run's tokens in it (NOTES: lower variance than 0/1
+outcomes), shrunk toward the whole table's mean where a cell holds few tokens, and
+updated online with observed outcomes.
+
+Profiling (`specserve calibrate sv`): teacher-forced, on prompts of no benchmark set
+(engine/calibration/prompts.py: the PLD+ prompts and short chat prompts). The target
+answers each prompt; at every answer position the target, draft and companion
+distributions follow one forward each over prompt + answer, and a drafted token is
+drawn from q (temperature 1) or taken as q's argmax (greedy). Given an accepted prefix
+a drafted token sees exactly the target's context, so each position is one token of
+plain speculative decoding. Chosen here: one table per (target, draft, companion) and
+decoding mode, kept in the model cache directory; the depth is not a table dimension
+(SV's table has none), and the shrinkage weight is SHRINK_WEIGHT tokens.
+"""
+from __future__ import annotations
+
+import json
+import math
+from contextlib import contextmanager
+
+import msgspec
+import torch
+
+from drafters.model_draft import overlap_and_acceptance
+from engine.artifacts import SvTable, sv_fingerprints, sv_table_path
+from engine.calibration.options import CalibrationOptions
+from engine.calibration.prompts import CALIBRATION_PROMPTS, CHAT_PROMPTS, chat_prompt_ids
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.model.draft_model import DraftForward
+from engine.model.tokenizer import load_tokenizer
+from engine.wire import EngineRequest, SamplingParams
+
+ENTROPY_BINS = 10  # the acceptance probability is discretised into this many equal bins for its entropy (SV Table 2)
+
+
+def entropy(labels: list[tuple]) -> float:
+    """Shannon entropy (bits) of the empirical distribution of LABELS."""
+    counts: dict[tuple, int] = {}
+    for label in labels:
+        counts[label] = counts.get(label, 0) + 1
+    total = len(labels)
+    return -sum(n / total * math.log2(n / total) for n in counts.values())
+
+
+def conditional_entropy(target: list[int], given: list[tuple]) -> float:
+    """H(target | given) = H(target, given) - H(given)."""
+    return entropy([(t, *g) for t, g in zip(target, given)]) - entropy(given)
+
+
+def information_gain_table(accepted: torch.Tensor, s: torch.Tensor, a: torch.Tensor, table: SvTable) -> dict:
+    """SV Table 2 with adaptive bins: H(acceptance), H(. | S), H(. | A), H(. | S, A), and the gain of (S, A)."""
+    target = [min(int(x * ENTROPY_BINS), ENTROPY_BINS - 1) for x in accepted.tolist()]
+    cells = [table.cell(sv, av) for sv, av in zip(s.tolist(), a.tolist())]
+    h = entropy([(t,) for t in target])
+    h_s = conditional_entropy(target, [(i,) for i, _ in cells])
+    h_a = conditional_entropy(target, [(j,) for _, j in cells])
+    h_sa = conditional_entropy(target, cells)
+    return {"entropy": h, "given_S": h_s, "given_A": h_a, "given_S_and_A": h_sa,
+            "information_gain": h - h_sa, "information_gain_share": (h - h_sa) / h if h else 0.0}
+
+
+def brier(estimates: torch.Tensor, outcomes: torch.Tensor) -> float:
+    return float(((estimates - outcomes) ** 2).mean())
+
+
+SAMPLED_TEMPERATURE = 0.7  # the sampled table's temperature: SV's evaluation setting
+
+
+def teacher_forced_tokens(target, draft, companion, prompt: list[int], answer: list[int], params, generator) -> dict:
+    """At each answer position, the token the draft model drafts given the target's own prefix and what SV observes
+    of it: (S, A) and its acceptance min(1, p(x)/q(x)) (greedy: whether it is the target's argmax)."""
+    ids = torch.tensor([prompt + answer])
+    rows = slice(len(prompt) - 1, len(prompt) + len(answer) - 1)
+    p, q, c = (torch.stack([DraftForward.probs(row, params) for row in _plain_logits(model, ids)[rows]])
+               for model in (target, draft, companion))
+    tokens = q.argmax(-1) if params.greedy else torch.multinomial(q, 1, generator=generator)[:, 0]
+    s, a = overlap_and_acceptance(q, c, tokens)
+    picked = torch.arange(len(tokens))
+    accepted = (p.argmax(-1) == tokens).float() if params.greedy else (p[picked, tokens] / q[picked, tokens]).clamp(max=1.0)
+    return {"S": s, "A": a, "accepted": accepted}
+
+
+def _plain_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """[positions, vocab] logits of a plain forward (within `plain_attention`)."""
+    with torch.inference_mode():
+        return model(input_ids=ids).logits[0].float()
+
+
+@contextmanager
+def plain_attention(models: tuple[torch.nn.Module, ...]):
+    """transformers' SDPA attention instead of the paged pool's, for MODELS (the target first: an early exit's
+    layers are the target's and read its config)."""
+    previous = [model.config._attn_implementation for model in models]
+    for model in models:
+        model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        for model, implementation in zip(models, previous):
+            model.set_attn_implementation(implementation)
+
+
+def calibrate_sv(engine, prompts: list[list[int]], max_tokens: int, greedy: bool, seed: int = 0) -> tuple[SvTable, dict]:
+    """Answer PROMPTS with ENGINE's target, profile SV's observations on them, and fit the table; the report holds
+    each estimator's Brier score and the information-gain table on the odd prompts, with the table fitted on the
+    even ones (the saved table is fitted on all)."""
+    params = SamplingParams(temperature=0.0 if greedy else SAMPLED_TEMPERATURE, max_tokens=max_tokens, seed=seed)
+    answers: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineRequest(f"sv-{i}", prompt, msgspec.structs.replace(params, seed=seed + i)))
+    while engine.has_work:
+        for output in engine.step().outputs:
+            answers.setdefault(output.request_id, []).extend(output.new_token_ids)
+    generator = torch.Generator().manual_seed(seed)
+    models = (engine.runner.model, engine.draft_forward.runner.model, engine.companion_forward.runner.model)
+    with plain_attention(models):
+        observed = [teacher_forced_tokens(*models, prompt, answers[f"sv-{i}"], params, generator)
+                    for i, prompt in enumerate(prompts)]
+    fit_half, test_half = (_joined(observed[start::2]) for start in (0, 1))
+    half_table = SvTable.fit(fit_half["S"], fit_half["A"], fit_half["accepted"])
+    report = evaluate(half_table, test_half, generator)
+    everything = _joined(observed)
+    return SvTable.fit(everything["S"], everything["A"], everything["accepted"], {"greedy": greedy, "num_tokens": len(everything["S"])}), report
+
+
+def evaluate(table: SvTable, observed: dict, generator: torch.Generator) -> dict:
+    """Brier scores of the companion table and of the statistical estimate (the profiling run's mean acceptance) on
+    OBSERVED tokens, against their acceptance probability and against accept/reject draws of it."""
+    estimates = torch.tensor([table.estimate(s, a) for s, a in zip(observed["S"].tolist(), observed["A"].tolist())])
+    statistical = torch.full_like(estimates, table.mean)
+    accepted = observed["accepted"]
+    draws = (torch.rand(len(accepted), generator=generator) < accepted).float()
+    return {
+        "num_tokens": len(accepted),
+        "brier_companion": brier(estimates, accepted), "brier_statistical": brier(statistical, accepted),
+        "brier_companion_vs_outcomes": brier(estimates, draws), "brier_statistical_vs_outcomes": brier(statistical, draws),
+        "information_gain": information_gain_table(accepted, observed["S"], observed["A"], table),
+    }
+
+
+def _joined(observed: list[dict]) -> dict:
+    return {key: torch.cat([o[key] for o in observed]) for key in ("S", "A", "accepted")}
+
+
+def write_sv_tables(config: EngineConfig, options: CalibrationOptions) -> None:
+    """Profile the draft and companion models on the calibration prompts (engine/calibration/prompts.py: PLD+'s
+    and short chat prompts, none from a benchmark set) and keep SV's acceptance table, greedy and sampled."""
+    if not (config.model.draft_model and config.model.companion_model):
+        raise SystemExit("specserve calibrate sv needs --draft-model and --companion-model")
+    prompts = chat_prompt_ids(load_tokenizer(config.model), CALIBRATION_PROMPTS + CHAT_PROMPTS)
+    engine = Engine(config)
+    fingerprints = sv_fingerprints(engine.model_fingerprint, engine.draft_forward, engine.companion_forward)
+    reports = {}
+    for greedy in (True, False):
+        table, reports["greedy" if greedy else "sampled"] = calibrate_sv(engine, prompts, options.max_new_tokens, greedy)
+        path = sv_table_path(engine.cache_dir, fingerprints, greedy)
+        table.save(path)
+        print(f"SV table ({'greedy' if greedy else 'sampled'}, {table.meta['num_tokens']} tokens) saved to {path}")
+    reports["command"] = options.command
+    print(json.dumps(reports, indent=1))
+    if options.out:
+        options.out.parent.mkdir(parents=True, exist_ok=True)
+        options.out.write_text(json.dumps(reports, indent=1))

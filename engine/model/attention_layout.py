@@ -1,0 +1,208 @@
+"""Where each sequence's queries and keys sit for one packed forward, and what each query may see.
+
+Built once per step by the runner (engine/model/packed_runner.py) from the forward items,
+read by every layer's attention (engine/model/paged_attention.py).
+
+A sequence's keys are its KV indices 0 .. L-1 (cached, then new). Its new token i
+sees every cached key and, among the new ones, itself and its ancestors: all the
+tokens before it for a causal chain, its tree path for a tree.
+
+Where attention skips masked keys (the CPU row kernel, engine/model/csrc/row_attention.cpp) a
+tree is attended in place: one sequence, its new tokens' keys where the block table puts
+them, each row masked to the cached keys and its ancestors; a row's allowed keys are then
+the same keys in the same order as in its path drafted as a chain, so it gets the same bits.
+Elsewhere a tree is attended as the chains of its root-to-leaf paths (`tree_paths`): each
+path's keys are the cached ones followed by its own nodes' keys, in order, so that a node's
+attention is computed exactly as if its path had been drafted as a chain (masking the other
+branches' keys in place would move the path's terms along the keys, and a float32 matmul's
+sum depends on where its terms sit: measured, about 1 row in 12 differed in its last bits).
+Each node is computed once, in the first path that holds it; every path re-reads the context.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Batch invariance: a token's logits must not depend on the forward it is computed in (decoding, verifying a
+# chain or a tree of drafts, a prefill chunk, beside other requests). With bfloat16 activations (--weights
+# bfloat16/int8/int4) a last-bit difference upstream flips roundings and moves logits by tenths, far beyond the
+# near-ties greedy exactness allows, and a seeded request would sample differently on a second run that finds its
+# prefix cached. The Linear kernels compute each row alone; attention is made so on the CPU
+# (engine/model/paged_attention.py): plain batched matmuls, with the softmax's sum taken by a matmul too (a matmul adds
+# along the keys in order, so masked keys anywhere, such as a tree's other branches, add exact zeros, where a
+# vectorised sum's lanes would shift), over query rows padded to a multiple of 4 per KV head (rows in a trailing
+# partial group of 4 take another kernel) and keys padded to a multiple of 64, at least 384 (MKL blocks fewer
+# keys differently). Measured on torch 2.13 with MKL; tests/engine/test_packed_runner.py checks it bit for bit.
+KEY_MULTIPLE = 64
+MIN_KEYS = 384
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences attended with one padded SDPA call: R sequences, up to Q new tokens, up to L keys each."""
+
+    query_index: torch.Tensor  # [R, Q] packed index of each padded query (padding repeats a real one)
+    block_table: torch.Tensor  # [R, ceil(L / block_size)] pool blocks of each sequence (padding points at block 0)
+    block_size: int
+    max_len: int  # L
+    mask: torch.Tensor  # [R, 1, heads_per_kv_head * Q, L] True where a query may look
+    valid: torch.Tensor  # [n] flat indices into [R * Q] of the real queries, in packed order
+    packed_index: torch.Tensor  # [n] packed index of those queries
+    tail_keys: torch.Tensor | None = None  # [m] flat indices into the gathered [R * blocks * block_size] keys that
+    tail_slots: torch.Tensor | None = None  # [m] take these pool slots' keys instead (a tree path's nodes)
+    scratch: torch.Tensor | None = None  # buffers the layers gather keys and values into, made by the first layer
+    blocked: torch.Tensor | None = None  # the CPU path's padded, inverted mask (paged_attention._blocked), likewise
+
+
+@dataclass
+class InPlaceSpan:
+    """One sequence whose keys occupy consecutive pool slots: attended on a view of the pool, nothing copied."""
+
+    query_start: int  # packed index of its first new token
+    query_len: int  # Q
+    first_slot: int  # pool slot of its KV index 0
+    context_len: int  # L, padded (padded_key_len)
+    mask: torch.Tensor  # [1, 1, heads_per_kv_head * Q, L] True where a query may look
+    blocked: torch.Tensor | None = None  # the CPU path's padded, inverted mask (paged_attention._blocked), made once
+
+
+@dataclass
+class GroupMember:
+    """One sequence as the layout sees it: a causal chain, or a tree attended in place (ANCESTORS given); elsewhere
+    a tree is laid out as the chains of its paths, `tree_paths`."""
+
+    query_start: int  # packed index of its first new token
+    query_len: int
+    context_len: int  # keys: cached + new
+    block_table: list[int]
+    query_rows: list[int] | None = None  # packed indices of its queries when they are not query_start onwards
+    tail_slots: list[int] | None = None  # pool slots of its last keys when they are not where the block table says
+    ancestors: torch.Tensor | None = None  # a tree attended in place: [n, n] ancestor_matrix of its new tokens
+
+
+def tree_paths(member: GroupMember, parents: list[int], slots: list[int]) -> list[GroupMember]:
+    """The tree MEMBER (new tokens with PARENTS, written to SLOTS) as causal chains, one per root-to-leaf path:
+    keys = the cached context, then the path's nodes; queries = the path's nodes no earlier path computes."""
+    has_child = {parent for parent in parents if parent >= 0}
+    num_cached = member.context_len - member.query_len
+    done, chains = set(), []
+    for leaf in (row for row in range(len(parents)) if row not in has_child):
+        path = [leaf]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        path.reverse()
+        new = [row for row in path if row not in done]  # a suffix of the path: earlier paths hold its ancestors
+        done.update(new)
+        chains.append(GroupMember(
+            member.query_start, len(new), num_cached + len(path), member.block_table,
+            query_rows=[member.query_start + row for row in new], tail_slots=[slots[row] for row in path],
+        ))
+    return chains
+
+
+@dataclass
+class FlashMetadata:
+    """flash-attn's varlen call over the chains of a batch (trees go through SDPA in the same step)."""
+
+    query_index: torch.Tensor  # [n] packed indices of the chains' tokens, in order
+    cu_seqlens_q: torch.Tensor  # [R + 1] int32 offsets of each chain's new tokens
+    cu_seqlens_k: torch.Tensor  # [R + 1] int32 offsets of each chain's keys
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_table: torch.Tensor  # [R, max blocks] int32
+
+
+def ancestor_matrix(parents: list[int]) -> torch.Tensor:
+    """[n, n] bool: entry (i, j) is True when token j is token i itself or one of its ancestors (parent -1 = none)."""
+    n = len(parents)
+    seen = torch.eye(n, dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            seen[i] |= seen[parent]
+    return seen
+
+
+def query_mask(member: GroupMember, num_rows: int, num_keys: int, ancestors: torch.Tensor | None = None) -> torch.Tensor:
+    """[num_rows, num_keys] bool for one sequence, a chain or (given its ANCESTORS) a tree; rows past its queries
+    copy its first (their output is dropped)."""
+    num_cached = member.context_len - member.query_len
+    mask = torch.zeros(num_rows, num_keys, dtype=torch.bool)
+    mask[:, :num_cached] = True
+    new = ancestors if ancestors is not None else torch.ones(member.query_len, member.query_len).tril().bool()
+    mask[:member.query_len, num_cached:member.context_len] = new
+    mask[member.query_len:, num_cached] = True  # padding rows see one key, so their softmax stays finite
+    return mask
+
+
+def _chain_masks(members: list[GroupMember], max_q: int, max_len: int) -> torch.Tensor:
+    """[R, Q, L] causal masks of chains, built in one go: query i of a chain sees keys up to its own position."""
+    offsets = torch.arange(max_q)
+    q_lens = torch.tensor([m.query_len for m in members])
+    ctx_lens = torch.tensor([m.context_len for m in members])
+    query_positions = ctx_lens[:, None] - q_lens[:, None] + offsets[None, :]  # [R, Q]
+    return torch.arange(max_len)[None, None, :] <= query_positions[:, :, None]
+
+
+def build_group(members: list[GroupMember], block_size: int, heads_per_kv_head: int, device: torch.device) -> AttentionGroup:
+    """The padded attention call of R sequences: sequence r's queries are its last query_len of context_len keys,
+    causal for a chain, each row to its ancestors for a tree in place."""
+    max_q = max(m.query_len for m in members)
+    max_len = padded_key_len(max(m.context_len for m in members))
+    offsets = torch.arange(max_q)
+    q_lens = torch.tensor([m.query_len for m in members])
+    real = offsets[None, :] < q_lens[:, None]  # [R, Q]
+    rows = [m.query_rows or list(range(m.query_start, m.query_start + m.query_len)) for m in members]
+    query_index = torch.tensor([r + [r[0]] * (max_q - len(r)) for r in rows])
+    max_blocks = -(-max_len // block_size)
+    tables = [m.block_table[:max_blocks] for m in members]
+    table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])  # [R, max_blocks]
+    masks = _chain_masks(members, max_q, max_len)
+    for r, member in enumerate(members):
+        if member.ancestors is not None:
+            masks[r] = query_mask(member, max_q, max_len, member.ancestors)
+    mask = _tile_mask(masks[:, None], heads_per_kv_head).to(device)
+    group = AttentionGroup(
+        query_index.to(device), table.to(device), block_size, max_len, mask,
+        real.flatten().nonzero()[:, 0].to(device), query_index[real].to(device),
+    )
+    _add_tail_keys(group, members, max_blocks * block_size, device)
+    return group
+
+
+def _add_tail_keys(group: AttentionGroup, members: list[GroupMember], keys_per_member: int, device: torch.device) -> None:
+    """Where members' last keys come from other slots than their block tables say (tree paths)."""
+    flat, slots = [], []
+    for r, member in enumerate(members):
+        if member.tail_slots:
+            first = member.context_len - len(member.tail_slots)
+            flat += [r * keys_per_member + first + i for i in range(len(member.tail_slots))]
+            slots += member.tail_slots
+    if flat:
+        group.tail_keys, group.tail_slots = torch.tensor(flat, device=device), torch.tensor(slots, device=device)
+
+
+def in_place_span(member: GroupMember, first_slot: int, heads_per_kv_head: int, device: torch.device) -> InPlaceSpan:
+    """The span of a sequence whose keys lie in consecutive slots from FIRST_SLOT on (the padding keys after them,
+    whatever they hold, are masked)."""
+    num_keys = padded_key_len(member.context_len)
+    mask = query_mask(member, member.query_len, num_keys, member.ancestors)[None, None]
+    mask = _tile_mask(mask, heads_per_kv_head).to(device)
+    return InPlaceSpan(member.query_start, member.query_len, first_slot, num_keys, mask)
+
+
+def padded_key_len(num_keys: int) -> int:
+    return max(MIN_KEYS, -(-num_keys // KEY_MULTIPLE) * KEY_MULTIPLE)
+
+
+def _tile_mask(mask: torch.Tensor, heads_per_kv_head: int) -> torch.Tensor:
+    """[R, 1, Q, L] -> [R, 1, heads_per_kv_head * Q, L]: the mask of every query head folded into rows."""
+    return mask.repeat(1, 1, heads_per_kv_head, 1)
+
+
+def contiguous_first_slot(block_table: list[int], num_keys: int, block_size: int) -> int | None:
+    """The pool slot of KV index 0 when the first NUM_KEYS keys lie in one run of slots, else None."""
+    table = block_table[:-(-num_keys // block_size)]
+    if any(b != a + 1 for a, b in zip(table, table[1:])):
+        return None
+    return table[0] * block_size

@@ -1,0 +1,141 @@
+"""The draft model the engine owns beside the target (`--draft-model`), and the forward it lends its drafter.
+
+Two kinds:
+- `early-exit:N`: the target's own first N decoder layers, its final norm and its LM head,
+  the very same modules (no extra weight memory). Its layers compute exactly the target's
+  KV for those layers, so it reads and writes the target's own pool: every position the
+  target has computed is already computed for it.
+- a separate causal LM (what `--model` takes): its own weights and its own paged KV pool,
+  as many slots as the target's, addressed through the same block tables, so admission,
+  preemption, rollback and session prefix sharing cover it with the target. It must share
+  the target's vocabulary.
+
+A draft model only ever proposes: whatever its KV holds can cost acceptance, never
+exactness (the target verifies every drafted token).
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.config import ModelConfig
+from engine.model.forward import ForwardBatch, chain_item
+from engine.model.model_loader import LoadedModel, load_model
+from engine.model.packed_runner import PackedModelRunner
+from engine.model.paged_attention import PagedKVPool, kv_shape
+from engine.sampler import target_probs
+from scheduler.kv_blocks import KVBlockManager
+
+EARLY_EXIT = "early-exit:"
+
+
+@dataclass
+class DraftModel:
+    """A loaded draft model: the module, and whether it is an early exit sharing the target's KV."""
+
+    name: str
+    model: torch.nn.Module
+    shares_target_kv: bool
+
+    @property
+    def kv_bytes_per_position(self) -> int:
+        """Pool memory it needs per position beyond the target's (none for an early exit)."""
+        if self.shares_target_kv:
+            return 0
+        return PagedKVPool.bytes_per_slot(*kv_shape(self.model.config), next(self.model.parameters()).dtype)
+
+
+def load_draft_model(spec: str, target: LoadedModel, config: ModelConfig, role: str = "draft") -> DraftModel:
+    """`early-exit:N` or a model source, for ROLE (draft or companion); refuses a vocabulary not the target's."""
+    if spec.startswith(EARLY_EXIT):
+        return DraftModel(spec, early_exit_model(target.model, _exit_layers(spec, target.model, role)), shares_target_kv=True)
+    loaded = load_model(replace(config, model=spec, max_model_len=None))
+    draft_vocab, target_vocab = loaded.model.config.vocab_size, target.model.config.vocab_size
+    if draft_vocab != target_vocab:
+        raise ValueError(
+            f"the {role} model {spec!r} has a vocabulary of {draft_vocab} tokens and the target one of {target_vocab}: "
+            f"a {role} model must share the target's tokenizer"
+        )
+    if loaded.device != target.device:
+        raise ValueError(f"the {role} model loaded on {loaded.device}, the target on {target.device}")
+    return DraftModel(loaded.source.name, loaded.model, shares_target_kv=False)
+
+
+def _exit_layers(spec: str, target: torch.nn.Module, role: str) -> int:
+    num_layers = target.config.num_hidden_layers
+    value = spec[len(EARLY_EXIT):]
+    if not value.isdigit() or not 1 <= int(value) < num_layers:
+        raise ValueError(f"--{role}-model {spec!r}: an early exit takes a layer count in [1, {num_layers - 1}]")
+    return int(value)
+
+
+def early_exit_model(target: torch.nn.Module, num_layers: int) -> torch.nn.Module:
+    """The target's first NUM_LAYERS decoder layers with its final norm and LM head: new module objects around the
+    target's own submodules, so nothing is copied. Layer i keeps its index, so it writes KV layer i of the pool."""
+    inner = copy.copy(target.model)
+    inner._modules = dict(target.model._modules)
+    inner.layers = torch.nn.ModuleList(list(target.model.layers)[:num_layers])
+    inner.config = copy.deepcopy(target.model.config)
+    inner.config.num_hidden_layers = num_layers
+    outer = copy.copy(target)
+    outer._modules = dict(target._modules)
+    outer.model = inner
+    outer.config = inner.config
+    return outer
+
+
+def draft_pool(draft: DraftModel, target_pool: PagedKVPool, device: torch.device) -> PagedKVPool:
+    """The target's own pool for an early exit; else a pool of as many slots for the draft model's KV."""
+    if draft.shares_target_kv:
+        return target_pool
+    layers, kv_heads, head_dim = kv_shape(draft.model.config)
+    dtype = next(draft.model.parameters()).dtype
+    return PagedKVPool(layers, target_pool.keys.shape[1], kv_heads, head_dim, dtype, device)
+
+
+Reserve = Callable[[list, list], dict[str, int]]  # (requests, the rest of the batch) -> request id -> tokens
+
+
+def reserve_nothing(reqs: list, beside: list) -> dict[str, int]:
+    """The reserve of a model that never drafts (a companion only scores drafted tokens)."""
+    return {}
+
+
+class DraftForward:
+    """What the draft drafter is lent: packed forwards of chains over the draft model, addressed by request, with
+    KV at the slots of the scheduler's block tables, and `reserve`: how many tokens each of the requests that are
+    about to draft with the model may draft this step (the scheduler decides it and reserves their blocks). It is
+    asked for the requests the model drafts for, beside the rest of the batch with the drafts they have:
+    copy-covered requests of `copyspec+draft` hold no blocks for the model and gain nothing from it, but the
+    draft's forwards delay them too."""
+
+    def __init__(
+        self, draft: DraftModel, runner: PackedModelRunner, blocks: KVBlockManager,
+        latency_profile: dict[int, float], reserve: Reserve = reserve_nothing,
+    ) -> None:
+        self.name = draft.name
+        self.shares_target_kv = draft.shares_target_kv
+        self.model = draft.model
+        self.runner = runner
+        self.blocks = blocks
+        self.latency_profile = latency_profile  # seconds of a forward by tokens, profiled at start-up
+        self.reserve = reserve
+
+    def __call__(self, chains: list[tuple[str, list[int], int]], num_logits: list[int] | None = None) -> list[torch.Tensor]:
+        """(request id, token ids, position of the first) per request -> per chain [num_logits, vocab] float32 logits
+        at its last NUM_LOGITS tokens (one each by default). A chain's KV is written at its positions' slots; it
+        attends to every position before it."""
+        items = [
+            chain_item(token_ids, start, self.blocks.block_tables[request_id], self.blocks.block_size, rows)
+            for (request_id, token_ids, start), rows in zip(chains, num_logits or [1] * len(chains))
+        ]
+        return self.runner.execute(ForwardBatch(items)).logits
+
+    @staticmethod
+    def probs(logits: torch.Tensor, params) -> torch.Tensor:
+        """[vocab] logits -> the model's distribution as a request samples: the processing plain sampling applies to
+        the target's logits (temperature, top-k, top-p); a plain softmax for a greedy request."""
+        return torch.softmax(logits.float(), dim=-1) if params.greedy else target_probs(logits[None], params)[0]

@@ -1,0 +1,79 @@
+"""Start-up profile of forward latency against the number of tokens in the packed forward, and of what each
+root-to-leaf path of a draft tree adds (scheduler/latency.py prices trees by their paths)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.model.forward import ForwardBatch, ForwardItem, chain_item, tree_item
+from engine.model.packed_runner import PackedModelRunner
+from scheduler.kv_blocks import KVBlockManager
+
+PROFILE_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the latency model extrapolates linearly beyond
+PROFILE_CONTEXT_LEN = 512
+PROFILE_ROUNDS = 5  # passes over every token count; each count keeps its fastest
+PROFILE_REQUEST_ID = "__latency_profile__"
+PROFILE_TREE_PATHS, PROFILE_PATH_LEN = 8, 4  # the profiled tree: 8 branches of 4 tokens off the context
+
+
+@torch.inference_mode()
+def profile_forward_latency(runner: PackedModelRunner, blocks: KVBlockManager, vocab_size: int, max_model_len: int) -> dict[int, float]:
+    """Seconds of a forward over n new tokens after a fixed context, for each profiled n: the fastest of a few
+    rounds, since interference only ever adds time. Each round measures every count, so a burst of interference
+    (the server process starting beside the engine, say) slows one round rather than every repeat of one count,
+    which would skew the ratios the planner weighs drafts by."""
+    counts = [n for n in PROFILE_TOKEN_COUNTS if n < max_model_len // 2]
+    context_len = min(PROFILE_CONTEXT_LEN, max_model_len - max(counts))
+    generator = torch.Generator().manual_seed(0)
+    context = torch.randint(0, vocab_size, (context_len + max(counts),), generator=generator).tolist()
+    table = blocks.grow(PROFILE_REQUEST_ID, len(context))
+    try:
+        runner.execute(ForwardBatch([chain_item(context[:context_len], 0, table, blocks.block_size)]))
+        fastest = {n: float("inf") for n in counts}
+        for _ in range(PROFILE_ROUNDS):
+            for n in counts:
+                fastest[n] = min(fastest[n], _forward_seconds(runner, table, context, context_len, n))
+        return fastest
+    finally:
+        blocks.free(PROFILE_REQUEST_ID)
+
+
+@torch.inference_mode()
+def profile_path_seconds(runner: PackedModelRunner, blocks: KVBlockManager, vocab_size: int, max_model_len: int) -> float:
+    """Seconds each root-to-leaf path beyond the first adds per position of context: a tree of PROFILE_TREE_PATHS
+    branches against a chain of as many tokens, after the same context (fastest of a few rounds each). About zero
+    where trees are attended in place (the CPU row kernel); each path re-reads the context elsewhere."""
+    num_tokens = PROFILE_TREE_PATHS * PROFILE_PATH_LEN
+    context_len = min(PROFILE_CONTEXT_LEN, max_model_len // 2)
+    context = torch.randint(0, vocab_size, (context_len + num_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    table = blocks.grow(PROFILE_REQUEST_ID, len(context))
+    try:
+        runner.execute(ForwardBatch([chain_item(context[:context_len], 0, table, blocks.block_size)]))
+        drafted = context[context_len:]
+        rows = list(range(num_tokens))
+        chain = chain_item(drafted, context_len, table, runner.block_size, num_tokens)
+        tree = tree_item(drafted, _branches(PROFILE_TREE_PATHS, PROFILE_PATH_LEN), context_len, table, runner.block_size, rows)
+        chain_s = min(_item_seconds(runner, chain) for _ in range(PROFILE_ROUNDS))
+        tree_s = min(_item_seconds(runner, tree) for _ in range(PROFILE_ROUNDS))
+        return max(tree_s - chain_s, 0.0) / (PROFILE_TREE_PATHS - 1) / context_len
+    finally:
+        blocks.free(PROFILE_REQUEST_ID)
+
+
+def _branches(num_paths: int, path_len: int) -> list[int]:
+    """Parents of NUM_PATHS chains of PATH_LEN tokens, each hanging off the context."""
+    return [-1 if depth == 0 else path * path_len + depth - 1 for path in range(num_paths) for depth in range(path_len)]
+
+
+def _forward_seconds(runner: PackedModelRunner, table: list[int], context: list[int], context_len: int, num_tokens: int) -> float:
+    item = chain_item(context[context_len:context_len + num_tokens], context_len, table, runner.block_size, num_tokens)
+    return _item_seconds(runner, item)
+
+
+def _item_seconds(runner: PackedModelRunner, item: ForwardItem) -> float:
+    start = time.perf_counter()
+    runner.execute(ForwardBatch([item]))
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return time.perf_counter() - start

@@ -1,0 +1,124 @@
+"""The lean decoder: transformers' logits bit for bit, in fewer calls; fused Linear layers compute their parts'
+numbers; which models it serves."""
+from dataclasses import astuple
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+import engine.model.packed_runner as packed_runner
+from engine.model.decoder import supports
+from engine.model.forward import ForwardBatch, chain_item, tree_item
+from engine.model.paged_attention import PagedKVPool
+from engine.model.weights import Bf16Linear, Int4Linear, Int8Linear, OutputSlice, Q4Groups, apply_weights, fuse_linears
+from tests.engine.helpers import w4a8_param
+
+BLOCK_SIZE = 4
+MODES = ["float32", "bfloat16", "int8", "int4", w4a8_param()]
+
+
+def runner_for(model_dir, weights, lean, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    apply_weights(model, weights)
+    config = model.config
+    pool = PagedKVPool(config.num_hidden_layers, 64 * BLOCK_SIZE, config.num_key_value_heads,
+                       config.hidden_size // config.num_attention_heads, torch.float32, torch.device("cpu"))
+    with monkeypatch.context() as patch:
+        if not lean:
+            patch.setattr(packed_runner, "supports", lambda model: False)
+        runner = packed_runner.PackedModelRunner(model, torch.device("cpu"), pool, BLOCK_SIZE)
+    assert (runner.decoder is not None) == lean
+    return runner
+
+
+@pytest.mark.parametrize("weights", MODES)
+def test_the_lean_decoder_gives_transformers_logits_bit_for_bit(tiny_model_dir, weights, monkeypatch):
+    """A prefill beside a decoding request, then a tree of drafts: every logit row equal to transformers' forward's
+    over the same pool layout, with each weight mode (fused projections included)."""
+    runners = [runner_for(tiny_model_dir, weights, lean, monkeypatch) for lean in (False, True)]
+    tables = {"a": list(range(0, 8)), "b": list(range(8, 16))}
+    steps = [
+        [chain_item([1, 5, 9, 13, 7, 3, 22, 4, 8], 0, tables["a"], BLOCK_SIZE, 9), chain_item([1, 30], 0, tables["b"], BLOCK_SIZE)],
+        [chain_item([11], 9, tables["a"], BLOCK_SIZE), chain_item(list(range(10, 28)), 2, tables["b"], BLOCK_SIZE, 3)],
+        [tree_item([6, 7, 8, 9], [-1, 0, 0, 2], 10, tables["a"], BLOCK_SIZE, [0, 1, 2, 3])],
+    ]
+    for items in steps:
+        reference, lean = (runner.execute(ForwardBatch(items)).logits for runner in runners)
+        for expected, got in zip(reference, lean):
+            assert torch.equal(expected, got)
+
+
+def test_a_hidden_state_capture_is_the_layers_output(tiny_model_dir, monkeypatch):
+    from drafters.base import CaptureSpec
+
+    runners = [runner_for(tiny_model_dir, "float32", lean, monkeypatch) for lean in (False, True)]
+    item = chain_item([1, 5, 9, 13, 7], 0, list(range(4)), BLOCK_SIZE)
+    item.hidden_rows = [0, 3, 4]
+    outputs = [runner.execute(ForwardBatch([item], CaptureSpec(hidden_layer=1))) for runner in runners]
+    assert outputs[1].hidden[0].shape == (3, 32)
+    assert torch.equal(outputs[0].hidden[0], outputs[1].hidden[0])
+
+
+def linears(kind: str, sizes: list[int], in_features: int = 64) -> list[torch.nn.Module]:
+    generator = torch.Generator().manual_seed(len(sizes))
+    weights = [torch.randn(size, in_features, generator=generator) for size in sizes]
+    if kind == "float32":
+        return [_float_linear(weight) for weight in weights]
+    if kind == "bfloat16":
+        return [Bf16Linear(weight) for weight in weights]
+    if kind == "int8":
+        return [Int8Linear.from_weight(weight) for weight in weights]
+    if kind == "w4a8":
+        from engine.model.w4a8 import W4A8Linear
+
+        return [W4A8Linear.from_blocks(*astuple(Q4Groups.by_range(weight)), bits=4) for weight in weights]
+    return [Int4Linear.from_groups(Q4Groups.by_range(weight)) for weight in weights]
+
+
+def _float_linear(weight: torch.Tensor) -> torch.nn.Linear:
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    return linear
+
+
+@pytest.mark.parametrize("kind", MODES)
+def test_a_fused_linear_computes_its_parts_numbers_and_leaves_them_usable(kind):
+    """Parts of 48, 16 and 16 channels: the int4 kernel packs output channels in blocks of its own, so the parts
+    do not line up with them; the codes are read back through the kernel and packed again."""
+    parent = torch.nn.Module()
+    names = ("q", "k", "v")
+    parts = linears(kind, [48, 16, 16])
+    for name, part in zip(names, parts):
+        setattr(parent, name, part)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = [part(x) for part in parts]
+        fused = fuse_linears(parent, names)
+        assert torch.equal(fused(x), torch.cat(expected, dim=-1))
+        for name, part_out in zip(names, expected):
+            assert isinstance(getattr(parent, name), OutputSlice)
+            assert torch.equal(getattr(parent, name)(x), part_out)
+    assert fuse_linears(parent, names) is fused  # fused once, however many runners ask
+
+
+def test_int4_parts_of_whole_packing_blocks_concatenate_without_unpacking():
+    """Parts of 128 and 64 channels (the embedded model's are 576, 192, 192 and 1536, 1536): their packed buffers
+    joined are the packing of the joined codes, so fusing them reads no codes back."""
+    parent = torch.nn.Module()
+    parent.a, parent.b = linears("int4", [128, 64])
+    codes = torch.cat([parent.a.codes(), parent.b.codes()])
+    fused = fuse_linears(parent, ("a", "b"))
+    assert torch.equal(fused.packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+
+
+def test_the_int4_codes_come_back_from_the_kernels_packing():
+    groups = Q4Groups.by_range(torch.randn(80, 64, generator=torch.Generator().manual_seed(4)))
+    assert torch.equal(Int4Linear.from_groups(groups).codes(), groups.codes)
+
+
+def test_llama_form_models_get_the_lean_decoder_and_others_transformers_forward(tiny_model_dir):
+    assert supports(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+    tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    assert not supports(AutoModelForCausalLM.from_config(LlamaConfig(**tiny, hidden_act="gelu")))
+    assert not supports(AutoModelForCausalLM.from_config(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64)))
