@@ -55,7 +55,9 @@ prometheus-tools:
 serve: setup
 	$(VENV)/bin/specserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
+# ruff (pyflakes, import order, line length; configured in pyproject.toml) first: a lint failure fails the run.
 test: setup
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # 64 streaming clients for 5 minutes against a specserve on loopback; report in bench/results/soak/.
