@@ -33,7 +33,8 @@ def add_calibrate_parser(commands) -> None:
                     "sv: Speculative Verification's acceptance tables (needs --draft-model and --companion-model)",
     )
     calibrate.add_argument("artifact", choices=tuple(ARTIFACTS))
-    calibrate.add_argument("--out", type=Path, default=None, help="sv: also write the Brier scores and information gain here")
+    calibrate.add_argument("--out", type=Path, default=None,
+                           help="sv: also write the Brier scores and information gain here")
     calibrate.add_argument("--max-new-tokens", type=int, default=CalibrationOptions.max_new_tokens,
                            help="tokens of each calibration answer")
     add_engine_flags(calibrate)

@@ -37,8 +37,9 @@ DEFAULT_LIMIT = 8  # conversations when --limit is not given
 BOOSTED_TEXTS = (" the", " and", ".")  # logit_bias: each one token, raised by LOGIT_BOOST
 BANNED_TEXT = " a"  # logit_bias: one common token, lowered by LOGIT_BAN
 LOGIT_BOOST, LOGIT_BAN = 2.0, -100.0
-MAX_ANSWER_CHARS = 120  # with bounded numbers and no extra keys, the grammar closes every answer within 256 tokens
-# (even at one token per character: 300 characters of digits and dots did not fit in one run)
+# With bounded numbers and no extra keys, the grammar closes every answer within 256 tokens, even at one token
+# per character.
+MAX_ANSWER_CHARS = 120
 ANSWER_SCHEMA = {
     "type": "object",
     "properties": {"answer": {"type": "string", "maxLength": MAX_ANSWER_CHARS},
@@ -72,7 +73,8 @@ VARIANT_FIELDS = {  # each variant's extra request fields, but logit_bias's (bui
     "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5},
     # an extension field: the top-level body field the openai client sends for extra_body={"repetition_penalty": 1.1}
     "repetition_penalty": {"repetition_penalty": 1.1},
-    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}},
+    "json_schema": {"response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}},
     "tool_call": {"tools": [ANSWER_TOOL], "tool_choice": {"type": "function", "function": {"name": "answer"}},
                   "parallel_tool_calls": False},  # one call: a small model repeats calls until max_tokens otherwise
 }
@@ -80,12 +82,14 @@ VARIANT_FIELDS = {  # each variant's extra request fields, but logit_bias's (bui
 
 def request_variants(tokenizer, names: tuple[str, ...]) -> dict[str, dict]:
     """Each named variant's extra request fields, in the order of NAMES."""
-    return {name: {"logit_bias": logit_bias(tokenizer)} if name == "logit_bias" else VARIANT_FIELDS[name] for name in names}
+    return {name: {"logit_bias": logit_bias(tokenizer)} if name == "logit_bias" else VARIANT_FIELDS[name]
+            for name in names}
 
 
 def chat_request(model: str, messages: list[dict], max_tokens: int, fields: dict) -> dict:
     """A greedy, unstreamed chat request with FIELDS added."""
-    return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": False, **fields}
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": False,
+            **fields}
 
 
 def post_chat(client: httpx.Client, api_url: str, body: dict, label: str) -> tuple[dict, float]:
@@ -142,8 +146,10 @@ def output_is_valid(variant: str, message: dict) -> bool | None:
     return None
 
 
-def turn2_record(question: dict, variant: str, drafter: str, response: dict, seconds: float, measured_at_s: float) -> dict:
-    """One turn-2 request's measurements; SECONDS its wall time, MEASURED_AT_S from the run's first request to its own."""
+def turn2_record(question: dict, variant: str, drafter: str, response: dict, seconds: float,
+                 measured_at_s: float) -> dict:
+    """One turn-2 request's measurements; SECONDS its wall time, MEASURED_AT_S from the run's first request to its
+    own."""
     choice, spec = response["choices"][0], response.get("spec_stats") or {}
     return {
         "question_id": question["question_id"], "category": question["category"], "variant": variant,
@@ -164,8 +170,8 @@ def turn2_messages(client: httpx.Client, api_url: str, model: str, question: dic
             {"role": "user", "content": question["turns"][1]}]
 
 
-def measure_question(client: httpx.Client, api_urls: dict[str, str], model: str, question: dict, variants: dict[str, dict],
-                     max_tokens: int, first_pair: int, clock_start: float) -> list[dict]:
+def measure_question(client: httpx.Client, api_urls: dict[str, str], model: str, question: dict,
+                     variants: dict[str, dict], max_tokens: int, first_pair: int, clock_start: float) -> list[dict]:
     """Every variant's turn 2 on every server in API_URLS (drafter -> OpenAI base), back to back; the FIRST_PAIR-th
     (variant, conversation) pair of the run decides the order (level_order). Records in variant, then drafter order.
 
@@ -207,7 +213,8 @@ def measure_all(client: httpx.Client, api_urls: dict[str, str], model: str, ques
 
 
 def run_api_benchmark(args, engine_flags: list[str], tokenizer, out_dir: Path) -> dict:
-    """Both servers up and warmed up, every question measured (results rewritten after each), both stopped at the end."""
+    """Both servers up and warmed up, every question measured (results rewritten after each), both stopped at the
+    end."""
     out_dir.mkdir(parents=True, exist_ok=True)
     limit = DEFAULT_LIMIT if args.limit is None else args.limit
     questions = interleave_categories(load_questions("mt-redundant", args.data_dir))[:limit]
@@ -224,7 +231,9 @@ def run_api_benchmark(args, engine_flags: list[str], tokenizer, out_dir: Path) -
     def write(records: list[dict]) -> None:
         results.update(write_api_results(records, command, setup, out_dir))
 
-    with running_servers([specserve_under_test(d, flags, model) for d in DRAFTERS], [WARMUP_MESSAGES], out_dir) as running:
+    with running_servers(
+        [specserve_under_test(d, flags, model) for d in DRAFTERS], [WARMUP_MESSAGES], out_dir
+    ) as running:
         api_urls = {drafter: server.api_url for drafter, server in zip(DRAFTERS, running)}
         with httpx.Client(timeout=httpx.Timeout(3600.0)) as client:
             measure_all(client, api_urls, model, questions, variants, args.max_new_tokens, write)

@@ -8,15 +8,15 @@ from pathlib import Path
 from bench.exactness import first_difference
 
 BASELINE, SPECULATIVE = "none", "copyspec"  # drafters: SPECULATIVE's outputs must be BASELINE's
-ORDER_NOTE = ("Both servers up at once, each warmed up (plainly and once per variant); for each conversation, turn 1 is "
-              "answered plainly by `none`, then each variant's turn 2 goes to both servers back to back, in an order "
-              "reversed at every other pair, so every ratio compares requests seconds apart; `measured_at_s` in "
+ORDER_NOTE = ("Both servers up at once, each warmed up (plainly and once per variant); for each conversation, turn 1 "
+              "is answered plainly by `none`, then each variant's turn 2 goes to both servers back to back, in an "
+              "order reversed at every other pair, so every ratio compares requests seconds apart; `measured_at_s` in "
               "results.json says when each was sent.")
-COLUMNS_NOTE = ("tok/s = completion tokens over the requests' summed wall seconds (prefill included); τ = copyspec's mean "
-                "acceptance length; identical = copyspec outputs textually identical to none's; valid = structured "
-                "outputs that parse (json_schema: JSON matching the schema; tool_call: one `answer` call with JSON "
-                "arguments), none · copyspec; at max = outputs cut at max_tokens, none · copyspec; = plain = none's "
-                "outputs identical to its plain output (a field that changes nothing leaves them all equal).")
+COLUMNS_NOTE = ("tok/s = completion tokens over the requests' summed wall seconds (prefill included); τ = copyspec's "
+                "mean acceptance length; identical = copyspec outputs textually identical to none's; valid = "
+                "structured outputs that parse (json_schema: JSON matching the schema; tool_call: one `answer` call "
+                "with JSON arguments), none · copyspec; at max = outputs cut at max_tokens, none · copyspec; = plain = "
+                "none's outputs identical to its plain output (a field that changes nothing leaves them all equal).")
 
 
 def outputs(records: list[dict], variant: str, drafter: str) -> dict[int, dict]:
@@ -79,14 +79,15 @@ def table_line(row: dict) -> str:
     n = row["num_conversations"]
     valid = "–" if row["valid_none"] is None else f"{row['valid_none']}/{n} · {row['valid_copyspec']}/{n}"
     return (f"| {row['variant']} | {n} | {row['none_tokens_per_s']:.1f} | {row['copyspec_tokens_per_s']:.1f} | "
-            f"{_cell(row['copyspec_over_none'], '.2f')} | {row['mean_acceptance_length']:.2f} | {row['identical']}/{n} | "
-            f"{valid} | {row['at_max_tokens_none']} · {row['at_max_tokens_copyspec']} | "
+            f"{_cell(row['copyspec_over_none'], '.2f')} | {row['mean_acceptance_length']:.2f} | "
+            f"{row['identical']}/{n} | {valid} | {row['at_max_tokens_none']} · {row['at_max_tokens_copyspec']} | "
             f"{_cell(row['none_equal_plain'])}{'' if row['none_equal_plain'] is None else f'/{n}'} |")
 
 
 def verdict_lines(rows: list[dict], found: list[dict]) -> list[str]:
     """Which variants copyspec slows down, and the lossless check, failures in bold with every output that differs."""
-    slower = [f"{r['variant']} ({r['copyspec_over_none']:.2f}×)" for r in rows if (r["copyspec_over_none"] or 1.0) < 1.0]
+    slower = [f"{r['variant']} ({r['copyspec_over_none']:.2f}×)" for r in rows
+              if (r["copyspec_over_none"] or 1.0) < 1.0]
     lines = [f"**Slower with copyspec than without: {', '.join(slower)}.**" if slower else
              "No variant is slower with copyspec than without.", ""]
     if not found:
@@ -101,8 +102,8 @@ def markdown_report(rows: list[dict], found: list[dict], command: str, setup: di
     """MEASURED: conversations measured so far."""
     so_far = "" if measured == setup["num_conversations"] else f" of {setup['num_conversations']} (so far)"
     lines = ["# API features, MT-Redundant turn 2: copyspec vs none", "", ORDER_NOTE, "", f"Command: `{command}`", "",
-             f"Conversations: {measured}{so_far}; one client, greedy, unstreamed, at most {setup['max_new_tokens']} new "
-             f"tokens, sessions off. {COLUMNS_NOTE}", "",
+             f"Conversations: {measured}{so_far}; one client, greedy, unstreamed, at most {setup['max_new_tokens']} "
+             f"new tokens, sessions off. {COLUMNS_NOTE}", "",
              "| variant | n | none tok/s | copyspec tok/s | copyspec/none | τ | identical | valid | at max | = plain |",
              "|" + "---|" * 10, *map(table_line, rows), ""]
     return "\n".join(lines + verdict_lines(rows, found)) + "\n"
@@ -111,8 +112,9 @@ def markdown_report(rows: list[dict], found: list[dict], command: str, setup: di
 def write_api_results(records: list[dict], command: str, setup: dict, out_dir: Path) -> dict:
     """results.json (setup, summary, mismatches, every record with its text) and results.md; returns the former."""
     rows, found = summary_rows(records), mismatches(records)
-    results = {"benchmark": "api", "command": command, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "setup": setup, "summary": rows, "mismatches": found, "records": records}
+    results = {"benchmark": "api", "command": command,
+               "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "setup": setup,
+               "summary": rows, "mismatches": found, "records": records}
     (out_dir / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False))
     measured = len({r["question_id"] for r in records})
     (out_dir / "results.md").write_text(markdown_report(rows, found, command, setup, measured))

@@ -121,7 +121,9 @@ def llama_server_runner(args: argparse.Namespace, name: str, out_dir: Path) -> L
         raise SystemExit("llama-server rows need a GGUF model (--model FILE.gguf, or the embedded default)")
     out_dir.mkdir(parents=True, exist_ok=True)
     gguf_path = str(Path(source.path) / source.gguf_file)
-    return LlamaServerRunner(start_llama_server(gguf_path, name.endswith("-spec"), out_dir, threads=args.num_threads or 2))
+    return LlamaServerRunner(
+        start_llama_server(gguf_path, name.endswith("-spec"), out_dir, threads=args.num_threads or 2)
+    )
 
 
 # --- HTTP servers under load: concurrency, sessions, api ------------------------------------------------------------
@@ -165,7 +167,8 @@ def add_sessions_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--session-modes", type=comma_list(SESSION_MODES, "off", "session modes"),
                         default=SESSION_MODES,
                         help=f"comma list from {SESSION_MODES}; 'off' is always run. One specserve per mode and "
-                             "drafter, all up at once: --kv-cache-memory is each one's (1 GiB fits the default 6 in 24 GB)")
+                             "drafter, all up at once: --kv-cache-memory is each one's (1 GiB fits the default 6 in "
+                             "24 GB)")
     parser.add_argument("--benchmarks", type=comma_list(SESSION_BENCHMARKS, what="benchmarks"),
                         default=SESSION_BENCHMARKS, help=f"comma list from {SESSION_BENCHMARKS}")
     parser.add_argument("--self-correction-limit", type=int, default=20, help="first N math_reasoning items")
@@ -198,7 +201,7 @@ def run_api(args: argparse.Namespace, config: EngineConfig, tokenizer, out_dir: 
 
 # --- the rest -------------------------------------------------------------------------------------------------------
 def add_ngram_flags(parser: argparse.ArgumentParser) -> None:
-    add_limit_flag(parser)
+    add_limit_flag(parser, "20")
     parser.add_argument("--grid-limit", type=int, default=5, help="questions per set of the k x w grid (0: no grid)")
     parser.add_argument("--grid-max-new-tokens", type=int, default=96, help="new tokens per grid generation")
 

@@ -1,21 +1,18 @@
 """Concurrency benchmark: C clients at once replay MT-Redundant turn 2 against a live HTTP server.
 
-Turn-1 answers are produced once, greedily, by the in-process baseline engine and
-put into every turn-2 history, so the measured phase holds turn 2 alone. All
-servers under test (specserve per drafter, and peers such as `transformers serve
---continuous-batching`) are started on loopback up front and warmed up with one
-short request each. Then the levels are interleaved: at each concurrency level
-the servers are driven one after another, the others idle, in an order reversed
-at every other level, so a level's ratios compare measurements minutes apart,
-not the tens of minutes over which a shared machine's speed drifts. All servers
-are stopped at the end, also on error. Throughput is turn-2 tokens over the
-level's wall time.
+Turn-1 answers are produced once, greedily, by the in-process baseline engine and put into every turn-2 history, so
+the measured phase holds turn 2 alone. All servers under test (specserve per drafter, and peers such as `transformers
+serve --continuous-batching`) are started on loopback up front and warmed up with one short request each. Then the
+levels are interleaved: at each concurrency level the servers are driven one after another, the others idle, in an
+order reversed at every other level, so a level's ratios compare measurements minutes apart, not the tens of minutes
+over which a shared machine's speed drifts. All servers are stopped at the end, also on error. Throughput is turn-2
+tokens over the level's wall time.
 
-`transformers serve` cannot batch a GGUF checkpoint (its model manager reads
-`config.architectures`, which GGUF configs leave empty), so a GGUF model is
-served from the engine's dequantized checkpoint of it (engine/model/gguf_cache.py),
-which sets it. Its paged KV cache is sized to the workload: left to itself on
-CPU it takes 90 % of the free RAM.
+`transformers serve` cannot batch a GGUF checkpoint (its model manager reads `config.architectures`, which GGUF
+configs leave empty), so a GGUF model is served from the engine's dequantized checkpoint of it
+(engine/model/gguf_cache.py), which sets it. Its paged KV cache is sized to the workload: left to itself on CPU it
+takes 90 % of the free RAM. This module is an HTTP client (bench/sessions.py builds on it): torch and
+the engine are imported only inside the functions that need them.
 """
 from __future__ import annotations
 
@@ -47,14 +44,17 @@ SPEC_COUNTERS = {
     "verified": "specserve:spec_decode_num_verified_tokens_total",
 }
 # The peer runs with no hub: everything it loads is local, and the CLI's PyPI update check is off.
-PEER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+PEER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1",
+            "HF_HUB_DISABLE_TELEMETRY": "1"}
 PEER_PAGE_SIZE = 256  # tokens per KV block of transformers' continuous batching (ContinuousBatchingConfig.page_size)
 PEER_MIN_BLOCKS = 16  # headroom for small runs (12 MB a block for SmolLM2-135M in float32)
-DEFAULT_PEER_MAX_BATCH_TOKENS = 512  # specserve's default per-step token budget (SchedulerConfig.max_num_batched_tokens)
+# specserve's default per-step token budget (SchedulerConfig.max_num_batched_tokens)
+DEFAULT_PEER_MAX_BATCH_TOKENS = 512
 WARMUP_MAX_TOKENS = 8
 ORDER = "interleaved by level"  # results.json setup["order"]
 ORDER_NOTE = ("All servers up at once; at each level they are driven one after another (the others idle), "
-              "in an order reversed at every other level; `measured_at_s` in results.json says when each row was taken.")
+              "in an order reversed at every other level; `measured_at_s` in results.json says when each row was "
+              "taken.")
 
 
 @dataclass
@@ -75,7 +75,9 @@ class RequestTiming:
     completion_tokens: int
 
 
-def specserve_under_test(drafter: str, engine_flags: list[str], model: str, fresh_sessions: bool = False) -> ServerUnderTest:
+def specserve_under_test(
+    drafter: str, engine_flags: list[str], model: str, fresh_sessions: bool = False
+) -> ServerUnderTest:
     port = free_port()
     command = specserve_command(port, "--drafter", drafter, *engine_flags)
     return ServerUnderTest("specserve", drafter, command, port, model, fresh_sessions=fresh_sessions)
@@ -83,7 +85,7 @@ def specserve_under_test(drafter: str, engine_flags: list[str], model: str, fres
 
 def llama_server_under_test(gguf_path: str, speculative: bool, parallel: int, threads: int) -> ServerUnderTest:
     """llama-server with PARALLEL slots, plain or with its own n-gram speculation (bench/llama_server.py)."""
-    from bench.llama_server import NAMES, llama_server_binary, llama_server_command
+    from bench.llama_server import NAMES, llama_server_binary, llama_server_command  # local: pulls torch, the engine
 
     port = free_port()
     command = llama_server_command(llama_server_binary(), gguf_path, port, parallel, speculative, threads)
@@ -114,7 +116,8 @@ def peer_device_and_dtype(device: str, dtype: str) -> tuple[str, str]:
 
 
 def peer_num_blocks(prompt_lengths: list[int], max_concurrency: int, max_tokens: int) -> int:
-    """KV blocks for MAX_CONCURRENCY requests of the longest prompt plus MAX_TOKENS each at once, so the peer never preempts."""
+    """KV blocks for MAX_CONCURRENCY requests of the longest prompt plus MAX_TOKENS each at once, so the peer never
+    preempts."""
     blocks_per_request = math.ceil((max(prompt_lengths) + max_tokens) / PEER_PAGE_SIZE)
     return max(PEER_MIN_BLOCKS, max_concurrency * blocks_per_request + 1)
 
@@ -128,7 +131,8 @@ def prompt_lengths(tokenizer, conversations: list[list[dict]]) -> list[int]:
 
 
 def transformers_model_dir(source: ModelSource, cache_root: Path | None = None) -> str:
-    """A model `transformers serve --continuous-batching` can load: SOURCE itself, or its GGUF's dequantized checkpoint."""
+    """A model `transformers serve --continuous-batching` can load: SOURCE itself, or its GGUF's dequantized
+    checkpoint."""
     if source.gguf_file is None:
         return source.path
     return str(dequantized_dir(source, cache_root))
@@ -154,7 +158,7 @@ async def run_level(url: str, model: str, conversations: list[list[dict]], concu
             timings.append(await stream_turn(client, url, model, queue.get_nowait(), max_tokens, fresh_sessions))
 
     start = time.perf_counter()
-    # A connection per request: llama-server closed a kept-alive connection under the client's next request
+    # A connection per request: llama-server may close a kept-alive connection under the client's next request
     # ("Server disconnected without sending a response"); loopback connections cost every server the same little.
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
@@ -163,7 +167,8 @@ async def run_level(url: str, model: str, conversations: list[list[dict]], concu
 
 
 def scrape_spec_counters(server: RunningServer) -> dict[str, float] | None:
-    """Sums of specserve's speculative counters (zero where none was counted yet); None for a server without /metrics."""
+    """Sums of specserve's speculative counters (zero where none was counted yet); None for a server without
+    /metrics."""
     try:
         response = httpx.get(server.base_url + "/metrics", timeout=10)
     except httpx.HTTPError:
@@ -190,7 +195,9 @@ def percentile(sorted_values: list[float], fraction: float) -> float:
     return sorted_values[max(0, math.ceil(fraction * len(sorted_values)) - 1)]
 
 
-def summary_row(under_test: ServerUnderTest, concurrency: int, timings: list[RequestTiming], seconds: float, spec: dict | None) -> dict:
+def summary_row(
+    under_test: ServerUnderTest, concurrency: int, timings: list[RequestTiming], seconds: float, spec: dict | None
+) -> dict:
     """One results.json summary row; the speculative columns are null for a server that reports no speculation."""
     ttfts = sorted(t.ttft_s for t in timings)
     tokens = sum(t.completion_tokens for t in timings)
@@ -236,7 +243,8 @@ def running_servers(servers: list[ServerUnderTest], conversations: list[list[dic
 
 
 def level_order(num_servers: int, level_index: int) -> list[int]:
-    """Server indices in the order they are driven at the LEVEL_INDEX-th level: as given, reversed at every other level."""
+    """Server indices in the order they are driven at the LEVEL_INDEX-th level: as given, reversed at every other
+    level."""
     order = list(range(num_servers))
     return order if level_index % 2 == 0 else order[::-1]
 
@@ -245,8 +253,10 @@ def level_batch(conversations: list[list[dict]], concurrency: int, requests_per_
     return [conversations[i % len(conversations)] for i in range(concurrency * requests_per_client)]
 
 
-def measure_level(under_test: ServerUnderTest, server: RunningServer, batch: list[list[dict]], concurrency: int, max_tokens: int) -> dict:
-    """One summary row: BATCH through CONCURRENCY clients against SERVER, with its speculative counters over the level."""
+def measure_level(under_test: ServerUnderTest, server: RunningServer, batch: list[list[dict]], concurrency: int,
+                  max_tokens: int) -> dict:
+    """One summary row: BATCH through CONCURRENCY clients against SERVER, with its speculative counters over the
+    level."""
     before = scrape_spec_counters(server)
     timings, seconds = asyncio.run(
         run_level(server.api_url, under_test.model, batch, concurrency, max_tokens, under_test.fresh_sessions)
@@ -258,7 +268,8 @@ def drive_levels(num_servers: int, levels: list[int], measure: Callable[[int, in
                  after_level: Callable[[list[dict]], None]) -> list[dict]:
     """Each level, every server in level_order via MEASURE(index, concurrency); rows kept in server order per level.
 
-    Each row gets `measured_at_s`, seconds from the first measurement's start to its own; AFTER_LEVEL gets the rows so far.
+    Each row gets `measured_at_s`, seconds from the first measurement's start to its own; AFTER_LEVEL gets the rows
+    so far.
     """
     rows: list[dict] = []
     start = time.perf_counter()  # seconds
@@ -273,9 +284,9 @@ def drive_levels(num_servers: int, levels: list[int], measure: Callable[[int, in
     return rows
 
 
-def measure_servers(servers: list[ServerUnderTest], conversations: list[list[dict]], levels: list[int], requests_per_client: int,
-                    max_tokens: int, log_dir: Path, after_level: Callable[[list[dict]], None],
-                    warm_prompts: bool = False) -> list[dict]:
+def measure_servers(servers: list[ServerUnderTest], conversations: list[list[dict]], levels: list[int],
+                    requests_per_client: int, max_tokens: int, log_dir: Path,
+                    after_level: Callable[[list[dict]], None], warm_prompts: bool = False) -> list[dict]:
     """All SERVERS up at once, driven level by level (drive_levels), and stopped at the end."""
     with running_servers(servers, conversations, log_dir, warm_prompts) as running:
         def measure(index: int, concurrency: int) -> dict:
@@ -308,19 +319,22 @@ def _cell(value, spec: str = "") -> str:
 
 def markdown_report(rows: list[dict], ratios: list[dict], command: str) -> str:
     lines = ["# Concurrency, MT-Redundant turn 2", "", ORDER_NOTE, "", f"Command: `{command}`", "",
-             "| concurrency | server | drafter | tok/s | TTFT p50 s | TTFT p99 s | ITL p50 s | τ | drafted | verified |",
+             "| concurrency | server | drafter | tok/s | TTFT p50 s | TTFT p99 s | ITL p50 s "
+             "| τ | drafted | verified |",
              "|" + "---|" * 10]
     for r in rows:
-        lines.append(f"| {r['concurrency']} | {r['server']} | {r['drafter']} | {r['tokens_per_s']:.1f} | {r['ttft_p50_s']:.2f} | "
-                     f"{r['ttft_p99_s']:.2f} | {r['itl_p50_s']:.3f} | {_cell(r['mean_acceptance_length'], '.2f')} | "
-                     f"{_cell(r['drafted_tokens'])} | {_cell(r['verified_draft_tokens'])} |")
+        lines.append(f"| {r['concurrency']} | {r['server']} | {r['drafter']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['itl_p50_s']:.3f} | "
+                     f"{_cell(r['mean_acceptance_length'], '.2f')} | {_cell(r['drafted_tokens'])} | "
+                     f"{_cell(r['verified_draft_tokens'])} |")
     columns = list(dict.fromkeys(f"{q['numerator']} ÷ {q['denominator']}" for q in ratios))
     if columns:
         cells = {(q["concurrency"], f"{q['numerator']} ÷ {q['denominator']}"): q["ratio"] for q in ratios}
         lines += ["", "Throughput ratios (tok/s over tok/s):", "",
                   "| concurrency | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 1)]
         for concurrency in dict.fromkeys(q["concurrency"] for q in ratios):
-            lines.append(f"| {concurrency} | " + " | ".join(_cell(cells.get((concurrency, c)), '.2f') for c in columns) + " |")
+            lines.append(f"| {concurrency} | "
+                         + " | ".join(_cell(cells.get((concurrency, c)), '.2f') for c in columns) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -359,7 +373,7 @@ def _plot_throughput(rows: list[dict], path: Path) -> None:
 
 def turn2_conversations(questions: list[dict], tokenizer, runner, max_tokens: int) -> list[list[dict]]:
     """Turn-2 histories: each question's turn 1, the baseline's greedy answer to it, and turn 2."""
-    from bench.mt import turn_prompts
+    from bench.mt import turn_prompts  # local: pulls torch (bench.exactness); this module stays an HTTP client
 
     conversations = []
     answers = runner.generate_batch([turn_prompts(tokenizer, question, None) for question in questions], max_tokens)
@@ -379,12 +393,16 @@ def peers_under_test(args, conversations: list[list[dict]], tokenizer) -> tuple[
         from transformers.utils.import_utils import is_serve_available
 
         if not is_serve_available():
-            raise SystemExit("transformers serve needs fastapi, uvicorn, pydantic and openai installed (or pass --peers '')")
+            raise SystemExit("transformers serve needs fastapi, uvicorn, pydantic and openai installed "
+                             "(or pass --peers '')")
         model_dir = transformers_model_dir(resolve_model_source(args.model))
         device, dtype = peer_device_and_dtype(args.device, args.dtype)
-        num_blocks = args.peer_kv_blocks or peer_num_blocks(prompt_lengths(tokenizer, conversations), max(args.concurrency), args.max_new_tokens)
+        num_blocks = args.peer_kv_blocks or peer_num_blocks(
+            prompt_lengths(tokenizer, conversations), max(args.concurrency), args.max_new_tokens
+        )
         # Tokens per forward: specserve's own per-step budget where the flags carry one
-        max_batch_tokens = args.peer_max_batch_tokens or getattr(args, "max_num_batched_tokens", None) or DEFAULT_PEER_MAX_BATCH_TOKENS
+        max_batch_tokens = (args.peer_max_batch_tokens or getattr(args, "max_num_batched_tokens", None)
+                            or DEFAULT_PEER_MAX_BATCH_TOKENS)
         peer = transformers_serve_under_test(model_dir, device, dtype, num_blocks, max_batch_tokens)
         peers.append(peer)
         shown = ["transformers", *peer.command[3:]]
@@ -394,9 +412,11 @@ def peers_under_test(args, conversations: list[list[dict]], tokenizer) -> tuple[
     for speculative in (False, True):
         name = "llama-server-spec" if speculative else "llama-server"
         if name in args.peers:
-            peer = llama_server_under_test(gguf_of(args.model), speculative, max(args.concurrency), args.num_threads or 2)
+            peer = llama_server_under_test(
+                gguf_of(args.model), speculative, max(args.concurrency), args.num_threads or 2
+            )
             peers.append(peer)
-            from bench.llama_server import llama_commit
+            from bench.llama_server import llama_commit  # local: pulls torch and the engine (bench.runners)
 
             setup[name] = {"command": shlex.join(_shown(peer.command)), "llama_cpp_commit": llama_commit()}
     return peers, setup
@@ -427,5 +447,6 @@ def run_concurrency_benchmark(
     peers, setup = peers_under_test(args, conversations, tokenizer)
     setup.update(specserve_flags=engine_flags, order=ORDER, warm_prompts=args.warm_prompts)
     command = "specserve " + shlex.join(sys.argv[1:])
-    return measure_servers(servers + peers, conversations, args.concurrency, args.requests_per_client, args.max_new_tokens,
-                           out_dir, lambda rows: write_concurrency_results(rows, command, out_dir, setup), args.warm_prompts)
+    return measure_servers(servers + peers, conversations, args.concurrency, args.requests_per_client,
+                           args.max_new_tokens, out_dir,
+                           lambda rows: write_concurrency_results(rows, command, out_dir, setup), args.warm_prompts)

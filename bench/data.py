@@ -25,8 +25,10 @@ class DataSet:
 DATASETS = {
     "mt-redundant": DataSet("mt_redundant_question.jsonl", "github.com/RazvanDu/CopySpec, "
                             "FastChat/fastchat/llm_judge/data/mt_bench/question_redundant.jsonl"),
-    "mt-bench": DataSet("mt_bench_question.jsonl", "github.com/lm-sys/FastChat, fastchat/llm_judge/data/mt_bench/question.jsonl"),
-    "spec-bench": DataSet("spec_bench_question.jsonl", "github.com/hemingkx/Spec-Bench, data/spec_bench/question.jsonl"),
+    "mt-bench": DataSet("mt_bench_question.jsonl",
+                        "github.com/lm-sys/FastChat, fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    "spec-bench": DataSet("spec_bench_question.jsonl",
+                          "github.com/hemingkx/Spec-Bench, data/spec_bench/question.jsonl"),
     "humaneval": DataSet("HumanEval.jsonl.gz", "github.com/openai/human-eval, data/HumanEval.jsonl.gz"),
     "gsm8k": DataSet("gsm8k_test.jsonl", "github.com/openai/grade-school-math, grade_school_math/data/test.jsonl"),
 }
@@ -68,7 +70,8 @@ def load_questions(name: str, data_dir: Path | None = None) -> list[dict]:
 
 
 def humaneval_question(index: int, record: dict) -> dict:
-    return {"question_id": index, "category": "humaneval", "turns": [HUMANEVAL_PROMPT.format(prompt=record["prompt"].strip())]}
+    return {"question_id": index, "category": "humaneval",
+            "turns": [HUMANEVAL_PROMPT.format(prompt=record["prompt"].strip())]}
 
 
 def gsm8k_question(index: int, record: dict) -> dict:

@@ -1,28 +1,18 @@
 """How good an early exit of the served model is as a draft model (self-speculative decoding), per exit layer N.
 
-The early exit at layer N is the model's first N decoder layers followed by its final norm and LM head.
-For each N = 1..L-1 (L = num_hidden_layers) this script measures, on the default model (SmolLM2-135M-Instruct,
-loaded as the engine loads it, on the CPU with one torch thread):
-
-* Acceptance, teacher-forced. 16 prompts (the 8 PLD+ calibration prompts and 8 short chat prompts written here),
-  rendered with the chat template; the target answers each greedily (up to 96 new tokens, stopping at EOS).
-  One forward over prompt+answer with output_hidden_states gives hidden_states[N] (1 = after the first layer);
-  norm + lm_head + argmax at the position before each answer token is the early exit's guess for it.
-  alpha_N = share of answer tokens it guesses right (pooled over all prompts).
-* Expected accepted tokens per verification of a k=5 draft: the i.i.d. model E = sum_{i=1..5} alpha^i, and the
-  faithful one: the mean over answer positions t of the run of consecutive matches at t, t+1, ..., t+4 (capped at 5
-  and at the answer's end). Under greedy decoding a drafted token is accepted exactly when it equals the target's
-  greedy token, and a draft that matched so far sees the same context as the teacher-forced run, so the run
-  length is the number of tokens the target would accept. `expected_accepted_walk` is the same figure averaged
-  only over the positions a real speculative loop would verify from (t -> t + run + 1), for comparison.
-* Cost, on a 200-token KV context (DynamicCache, cropped back after every step): the median of 30 timed
-  forwards of one token through the full model, of six tokens (the verification of a k=5 draft), of norm+lm_head
-  alone on one row, and of one token through the early exit itself (config.num_hidden_layers set to N, its own
-  cache). All configurations take turns within each repeat, so load from other processes hits them alike.
-  cost_ratio_linear = (head + N/L * (full - head)) / full is the equal-cost-layers estimate, as a cross-check.
-* Estimated speedup of greedy speculative decoding with k=5 over plain decoding:
-  speedup_N = (1 + E_runs) / (5 * cost_N / full + verify_6 / full).
-  It ignores the drafting loop's Python overhead and that the early exit's KV could be shared with the target.
+The early exit at layer N is the model's first N decoder layers, then its final norm and LM head. For each N = 1..L-1
+it measures, on the default model (SmolLM2-135M-Instruct, loaded as the engine loads it, on the CPU, one torch thread):
+* acceptance, teacher-forced: the target answers 16 prompts (the 8 PLD+ calibration prompts and 8 short chat prompts)
+  greedily, up to 96 new tokens; one forward over prompt+answer gives hidden_states[N], and norm + lm_head + argmax
+  before each answer token is the exit's guess for it; alpha_N is the share of answer tokens it guesses right;
+* expected accepted tokens per k=5 draft: the i.i.d. estimate sum_{i=1..5} alpha^i, and the faithful one, the mean run
+  of consecutive matches from each answer position (capped at 5), which under greedy decoding is what the target
+  accepts (`expected_accepted_walk` averages it only over the positions a real loop verifies from);
+* cost on a 200-token KV context: medians of 30 timed forwards of one token through the full model, of six (a k=5
+  verification), of norm+lm_head alone and of one token through the exit, taking turns within each repeat;
+  cost_ratio_linear is the equal-cost-layers estimate, as a cross-check;
+* estimated speedup of greedy k=5 speculation: (1 + E_runs) / (5 * cost_N / full + verify_6 / full), ignoring the
+  drafting loop's Python overhead and that the exit's KV could be shared with the target.
 """
 from __future__ import annotations
 
@@ -153,7 +143,8 @@ def print_table(rows: list[dict], t: dict) -> None:
     print(f"{'N':>3} {'alpha':>6} {'E_iid':>6} {'E_runs':>6} {'E_walk':>6} {'cost':>6} {'linear':>6} {'speedup':>7}")
     for r in rows:
         print(f"{r['layer']:>3} {r['alpha']:6.3f} {r['expected_accepted_iid']:6.2f} {r['expected_accepted_runs']:6.2f} "
-              f"{r['expected_accepted_walk']:6.2f} {r['cost_ratio']:6.3f} {r['cost_ratio_linear']:6.3f} {r['estimated_speedup']:7.3f}")
+              f"{r['expected_accepted_walk']:6.2f} {r['cost_ratio']:6.3f} {r['cost_ratio_linear']:6.3f} "
+              f"{r['estimated_speedup']:7.3f}")
     best = max(rows, key=lambda r: r["estimated_speedup"])
     print(f"best: N={best['layer']} estimated speedup {best['estimated_speedup']:.3f}")
 

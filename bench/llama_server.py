@@ -1,11 +1,10 @@
 """llama.cpp's `llama-server` as a benchmark peer: built from source by `make peers`, run on the same GGUF file.
 
-Two configurations: plain decoding, and its own best draft-free speculation
-(`--spec-type ngram-map-k`, 10 drafted tokens: the best of six n-gram modes tried on the
-2-core CI machine). The conversation benchmarks send it the very token ids specserve
-gets (`/completion` with a token-id prompt, greedy, `return_tokens`), so the prompts and
-the chat template are the same by construction; the concurrency benchmark drives its
-OpenAI chat endpoint like every other server, with the chat template the GGUF carries.
+Two configurations: plain decoding, and its own draft-free speculation (`--spec-type ngram-map-k`, 10 drafted
+tokens: the strongest of its n-gram modes on a small CPU). The conversation benchmarks send it the very token ids
+specserve gets (`/completion` with a token-id prompt, greedy, `return_tokens`), so the prompts and the chat template
+are the same by construction; the concurrency benchmark drives its OpenAI chat endpoint like every other server,
+with the chat template the GGUF carries.
 """
 from __future__ import annotations
 
@@ -27,7 +26,9 @@ NAMES = {False: "llama-server", True: "llama-server-spec"}  # the runner / row n
 def llama_server_binary(peers_dir: Path = DEFAULT_PEERS_DIR) -> Path:
     binary = peers_dir / "llama-server"
     if not binary.is_file():
-        raise SystemExit(f"no llama-server in {peers_dir}: build it first with `make peers` (about 10 minutes, offline)")
+        raise SystemExit(
+            f"no llama-server in {peers_dir}: build it first with `make peers` (about 10 minutes, offline)"
+        )
     return binary
 
 
@@ -36,11 +37,13 @@ def llama_commit(peers_dir: Path = DEFAULT_PEERS_DIR) -> str:
     return path.read_text().strip() if path.is_file() else "unknown"
 
 
-def llama_server_command(binary: Path, gguf_path: str, port: int, parallel: int, speculative: bool, threads: int) -> list[str]:
+def llama_server_command(
+    binary: Path, gguf_path: str, port: int, parallel: int, speculative: bool, threads: int
+) -> list[str]:
     """Greedy-ready llama-server on loopback: PARALLEL slots of CONTEXT_PER_SLOT tokens, THREADS CPU threads, no GPU."""
-    command = [str(binary), "--model", gguf_path, "--host", "127.0.0.1", "--port", str(port), "--parallel", str(parallel),
-               "--ctx-size", str(CONTEXT_PER_SLOT * parallel), "--threads", str(threads), "--threads-batch", str(threads),
-               "--n-gpu-layers", "0", "--jinja"]
+    command = [str(binary), "--model", gguf_path, "--host", "127.0.0.1", "--port", str(port),
+               "--parallel", str(parallel), "--ctx-size", str(CONTEXT_PER_SLOT * parallel),
+               "--threads", str(threads), "--threads-batch", str(threads), "--n-gpu-layers", "0", "--jinja"]
     return command + list(SPECULATION_FLAGS if speculative else ())
 
 

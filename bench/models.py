@@ -1,31 +1,18 @@
 """`specserve bench models`: speculative decoding with a draft model, at several batch sizes, against plain decoding.
 
-Modes (one engine each, all loaded up front, driven one after another at each batch size
-and temperature):
-- `none`: plain decoding;
-- `sd-k5`, `sd-k7`: the draft model drafts k tokens every step, all verified (planner off);
-- `sd-planner`: k = 5 at most, the goodput planner decides how many to draft and verify;
-- `sv`: the same with the companion's estimates (its table from `specserve calibrate sv`, which
-  must have run first; its report, if written to OUT/calibration.json, goes into results.json);
-- `copyspec`, `copyspec+draft`: CopySpec, and CopySpec falling back to the draft model (planner on).
-Every mode answers MT-Bench turn 1; the copy modes answer MT-Redundant turn 2 as well (turn
-1's greedy answer from `none` in the history), where copyspec+draft is compared with copyspec.
+Modes, one in-process engine each, all loaded up front: `none` (plain decoding); `sd-k5`, `sd-k7` (the draft model
+drafts k tokens every step, all verified); `sd-planner` (at most 5, the goodput planner decides how many); `sv` (the
+same with the companion's estimates: run `specserve calibrate sv` first; its report, if written to
+OUT/calibration.json, goes into results.json); `copyspec` and `copyspec+draft` (CopySpec, and CopySpec falling back to
+the draft model). Every mode answers MT-Bench turn 1; the copy modes also answer MT-Redundant turn 2 after `none`'s
+greedy turn-1 answer, where copyspec+draft is compared with copyspec.
 
-A batch of B is B requests submitted at once to one in-process engine (continuous
-batching; no HTTP), the wall time from submission to the last token. Each batch size runs
-rounds of such batches, on the next B questions each round, until at least --min-requests
-requests were answered, every mode taking its turn within a round (the order reversed
-every other round), so that the machine's drift hits all modes alike; a row's figures are
-the totals over its rounds, and its ratio to `none` is also given round by round (each
-against the same round's `none` batch), whose spread shows what one batch's noise is.
-Sessions are off: no mode starts a batch from a cached prefix or drafter state that an
-earlier round left behind. Greedy rows say whether every output equals `none`'s (near-ties
-judged as in bench/exactness.py).
-Sampled requests (temperature 0.7) are seeded by their question, the same seed in every
-mode: plain decoding and point-mass drafts (CopySpec) then sample the very same tokens
-(engine/verifier.py), and a model's sampled draft changes them only from the first one
-the target verifies on, so that sampled rows compare like with like as far as the method
-allows (they are not compared token for token).
+A batch of B is B requests submitted at once (continuous batching, no HTTP), timed to its last token. Each batch size
+runs rounds on the next B questions until --min-requests were answered, every mode taking its turn within a round (the
+order reversed every other round) so the machine's drift hits all alike; a row gives the totals over its rounds and its
+ratio to each round's own `none` batch. Sessions are off, so no round inherits a cached prefix or drafter state. Greedy
+rows say whether every output equals `none`'s (near-ties as in bench/exactness.py); sampled rows (temperature 0.7) are
+seeded by question, so plain decoding and point-mass drafts sample the same tokens (engine/verifier.py).
 """
 from __future__ import annotations
 
@@ -88,7 +75,8 @@ def companion_model(args) -> str:
 
 
 def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None) -> dict:
-    """Submit every prompt at once (a sampled one seeded with its seed in SEEDS); outputs, seconds and speculation totals."""
+    """Submit every prompt at once (a sampled one seeded with its seed in SEEDS); outputs, seconds and speculation
+    totals."""
     ids = [f"b{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     seeds = seeds if seeds is not None and not params.greedy else [params.seed] * len(prompts)
     start = time.perf_counter()
@@ -111,7 +99,8 @@ def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams, 
 def totals(batches: list[dict]) -> dict:
     """The rounds' batches of one mode as one: prompts and outputs in order, summed counts, and the figures of a row."""
     total = {key: [x for b in batches for x in b[key]] for key in ("prompts", "outputs")}
-    total.update({key: sum(b[key] for b in batches) for key in ("seconds", "drafts", "verified_draft_tokens", "accepted_draft_tokens")})
+    total.update({key: sum(b[key] for b in batches)
+                  for key in ("seconds", "drafts", "verified_draft_tokens", "accepted_draft_tokens")})
     verified, accepted, drafts = total["verified_draft_tokens"], total["accepted_draft_tokens"], total.pop("drafts")
     total["tokens_per_s"] = sum(len(t) for t in total["outputs"]) / total["seconds"]
     total["round_tokens_per_s"] = [sum(map(len, b["outputs"])) / b["seconds"] for b in batches]
@@ -167,7 +156,8 @@ def run_models_benchmark(args: argparse.Namespace, config, tokenizer, out_dir: P
 
 
 def level_results(
-    engines: dict, prompts: dict, runs: list[tuple[str, str]], batch: int, num_rounds: int, params: SamplingParams, level: int,
+    engines: dict, prompts: dict, runs: list[tuple[str, str]], batch: int, num_rounds: int, params: SamplingParams,
+    level: int,
 ) -> dict:
     """Per (mode, questions), the totals of NUM_ROUNDS batches of B, the runs taking turns within each round (the order
     reversed every other round, and every other level)."""
@@ -200,7 +190,8 @@ def compared(result: dict, baseline: dict, temperature: float, model, name: str)
     as in bench/exactness.py)."""
     key = "baseline" if name == "none" else name
     out = {f"speedup_vs_{name}": result["tokens_per_s"] / baseline["tokens_per_s"],
-           f"speedup_vs_{name}_by_round": [a / b for a, b in zip(result["round_tokens_per_s"], baseline["round_tokens_per_s"])]}
+           f"speedup_vs_{name}_by_round": [
+               a / b for a, b in zip(result["round_tokens_per_s"], baseline["round_tokens_per_s"])]}
     if temperature == 0.0:
         out[f"all_identical_to_{key}"] = all(
             divergence_verdict(model, p, a, b) != "mismatch"
@@ -211,17 +202,20 @@ def compared(result: dict, baseline: dict, temperature: float, model, name: str)
 def markdown(results: dict) -> str:
     lines = [f"# Draft models: draft `{results['draft_model']}`, companion `{results['companion_model']}`", "",
              f"Command: `{results['command']}`", "",
-             "| batch | temp | mode | questions | tokens/s | × none | × none by round (median, range) | mean acc. len | rejected share | identical |",
+             "| batch | temp | mode | questions | tokens/s | × none | × none by round (median, range) | mean acc. len "
+             "| rejected share | identical |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results["summary"]:
         rejected = f"{r['rejected_share']:.2f}" if r["rejected_share"] is not None else "–"
-        speedup = " · ".join(f"{r[key]:.2f}{label}" for key, label in (("speedup_vs_none", ""), ("speedup_vs_copyspec", " × copyspec"))
+        speedup = " · ".join(f"{r[key]:.2f}{label}"
+                             for key, label in (("speedup_vs_none", ""), ("speedup_vs_copyspec", " × copyspec"))
                              if key in r) or "–"
-        same = r["all_identical_to_baseline"] if r["all_identical_to_baseline"] is not None else r.get("all_identical_to_copyspec")
+        same = (r["all_identical_to_baseline"] if r["all_identical_to_baseline"] is not None
+                else r.get("all_identical_to_copyspec"))
         identical = {None: "–", True: "yes", False: "NO"}[same]
-        lines.append(f"| {r['batch_size']} | {r['temperature']} | {r['mode']} | {r['questions']} | {r['tokens_per_s']:.1f} | "
-                     f"{speedup} | {by_round(r.get('speedup_vs_none_by_round'))} | {r['mean_acceptance_length']:.2f} | "
-                     f"{rejected} | {identical} |")
+        lines.append(f"| {r['batch_size']} | {r['temperature']} | {r['mode']} | {r['questions']} | "
+                     f"{r['tokens_per_s']:.1f} | {speedup} | {by_round(r.get('speedup_vs_none_by_round'))} | "
+                     f"{r['mean_acceptance_length']:.2f} | {rejected} | {identical} |")
     lines += calibration_markdown(results["calibration"])
     return "\n".join(lines) + "\n"
 
@@ -238,8 +232,10 @@ def by_round(ratios: list[float] | None) -> str:
 def calibration_markdown(calibration: dict | None) -> list[str]:
     if not calibration:
         return []
-    lines = ["", f"Companion calibration (`{calibration['command']}`; fitted on half the prompts, scored on the other):", "",
-             "| decoding | tokens | Brier companion | Brier statistical | H(acc) | H(acc\\|S) | H(acc\\|A) | H(acc\\|S,A) | gain |",
+    lines = ["", f"Companion calibration (`{calibration['command']}`; fitted on half the prompts, scored on the "
+             "other):", "",
+             "| decoding | tokens | Brier companion | Brier statistical | H(acc) | H(acc\\|S) | H(acc\\|A) "
+             "| H(acc\\|S,A) | gain |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for mode in ("greedy", "sampled"):
         r, g = calibration[mode], calibration[mode]["information_gain"]

@@ -54,7 +54,8 @@ def run_question(question: dict, runners: dict, tokenizer, reference_model, args
             if getattr(runners[name], "is_peer_server", False):
                 rows.append(_peer_row(question, turn, name, gen, baseline_text, generations))
             else:
-                rows.append(_row(question, turn, name, gen, divergence_verdict(reference_model, prompt, baseline, gen.token_ids)))
+                rows.append(_row(question, turn, name, gen,
+                                 divergence_verdict(reference_model, prompt, baseline, gen.token_ids)))
         answers.append(baseline_text)
     return rows
 
@@ -73,13 +74,16 @@ def _row(question: dict, turn: int, drafter: str, gen, verdict: str) -> dict:
     return {
         "question_id": question["question_id"], "category": question["category"], "turn": turn,
         "drafter": drafter, "new_tokens": new_tokens, "seconds": round(gen.seconds, 4),
-        "tokens_per_s": round(new_tokens / gen.seconds, 3), "num_forwards": gen.num_forwards, "num_drafts": gen.num_drafts,
+        "tokens_per_s": round(new_tokens / gen.seconds, 3), "num_forwards": gen.num_forwards,
+        "num_drafts": gen.num_drafts,
         "drafted_tokens": gen.drafted_tokens, "accepted_tokens": gen.accepted_tokens,
         "identical_to_baseline": verdict == "identical", "exactness": verdict,
     }
 
 
-def run_mt_benchmark(name: str, questions: list[dict], runners: dict, tokenizer, reference_model, args, out_dir: Path) -> dict:
+def run_mt_benchmark(
+    name: str, questions: list[dict], runners: dict, tokenizer, reference_model, args, out_dir: Path
+) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = _load_previous_rows(out_dir) if args.resume else []
     done = {r["question_id"] for r in rows}
@@ -109,10 +113,12 @@ def _load_previous_rows(out_dir: Path) -> list[dict]:
 def _peer_lines(rows: list[dict]) -> list[str]:
     """Per peer server and turn: outputs textually identical to specserve `none`, and to the peer's own plain output."""
     lines = []
-    for name in dict.fromkeys(r["drafter"] for r in rows if r["exactness"] == "differs" or "identical_to_peer_plain" in r):
+    for name in dict.fromkeys(r["drafter"] for r in rows
+                              if r["exactness"] == "differs" or "identical_to_peer_plain" in r):
         for turn in sorted({r["turn"] for r in rows if r["drafter"] == name}):
             mine = [r for r in rows if r["drafter"] == name and r["turn"] == turn]
-            line = f"{name}, turn {turn}: {sum(r['identical_to_baseline'] for r in mine)} of {len(mine)} outputs textually identical to `none`"
+            line = (f"{name}, turn {turn}: {sum(r['identical_to_baseline'] for r in mine)} of {len(mine)} outputs "
+                    "textually identical to `none`")
             own = [r["identical_to_peer_plain"] for r in mine if r.get("identical_to_peer_plain") is not None]
             if own:
                 line += f", {sum(own)} of {len(own)} to its own plain output"
@@ -145,12 +151,15 @@ def _markdown(results: dict, table: str) -> str:
     peers = _peer_lines(results["rows"])
     lookup = results["copyspec_lookup_us_per_token"]
     lines = [
-        f"# {results['benchmark']}: {results['num_questions']} questions, {results['max_new_tokens']} new tokens, greedy",
+        f"# {results['benchmark']}: {results['num_questions']} questions, {results['max_new_tokens']} new tokens, "
+        "greedy",
         "", f"Command: `{results['command']}`", "",
         "Tokens/s (speedup over `none` in the same run, τ = mean acceptance length):", "", table,
-        f"Exactness: {mismatches} outputs differ from the baseline beyond a near-tie; {near_ties} diverge at a near-tie.",
+        f"Exactness: {mismatches} outputs differ from the baseline beyond a near-tie; {near_ties} diverge at a "
+        "near-tie.",
         *peers,
     ]
     if lookup:
-        lines.append(f"CopySpec extend + lookup: {lookup['1000']:.2f} µs/token at a 1k context, {lookup['16000']:.2f} µs/token at 16k.")
+        lines.append(f"CopySpec extend + lookup: {lookup['1000']:.2f} µs/token at a 1k context, "
+                     f"{lookup['16000']:.2f} µs/token at 16k.")
     return "\n".join(lines) + "\n"

@@ -18,7 +18,7 @@ import shlex
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -26,6 +26,8 @@ from tqdm import tqdm
 from bench.data import load_questions
 from bench.exactness import divergence_verdict
 from bench.mt import render_prompt
+from bench.runners import EngineRunner
+from engine.engine import Engine
 
 DATASETS = ("mt-bench", "humaneval", "gsm8k")
 GRID_K = (1, 5, 10, 25)
@@ -47,7 +49,8 @@ class Variant:
         return f"ngram({self.k},{self.w}) planner {'on' if self.planner else 'off'}"
 
 
-HEADLINE = (Variant("none"), Variant("copyspec"), Variant("ngram", *HEADLINE_KW, False), Variant("ngram", *HEADLINE_KW, True))
+HEADLINE = (Variant("none"), Variant("copyspec"), Variant("ngram", *HEADLINE_KW, False),
+            Variant("ngram", *HEADLINE_KW, True))
 
 
 def first_turn_prompts(tokenizer, dataset: str, limit: int, data_dir: Path | None) -> list[tuple[dict, list[int]]]:
@@ -56,11 +59,6 @@ def first_turn_prompts(tokenizer, dataset: str, limit: int, data_dir: Path | Non
 
 
 def make_runner(variant: Variant, args, config):
-    from dataclasses import replace
-
-    from bench.runners import EngineRunner
-    from engine.engine import Engine
-
     config = config.with_drafter(variant.drafter)
     spec = replace(config.spec, ngram_k=variant.k or config.spec.ngram_k, ngram_w=variant.w or config.spec.ngram_w)
     config = replace(config, spec=spec, scheduler=replace(config.scheduler, use_goodput_planner=variant.planner))
@@ -99,7 +97,8 @@ def run_headline(prompts: dict, runners: dict, reference_model, max_tokens: int)
 def run_grid(prompts: dict, none_runner, args, config, reference_model, max_tokens: int) -> list[dict]:
     """ngram over k x w, planner off, one engine at a time; none's outputs at the same length are the reference."""
     rows = []
-    baselines = {(d, q["question_id"]): none_runner.generate(p, max_tokens) for d, pairs in prompts.items() for q, p in pairs}
+    baselines = {(d, q["question_id"]): none_runner.generate(p, max_tokens)
+                 for d, pairs in prompts.items() for q, p in pairs}
     for (dataset, question_id), gen in baselines.items():
         question = next(q for q, _ in prompts[dataset] if q["question_id"] == question_id)
         rows.append(row("grid", dataset, question, Variant("none"), gen, "identical"))
@@ -152,16 +151,19 @@ def markdown(results: dict) -> str:
         f"Command: `{results['command']}`", "",
         f"Headline: first {results['setup']['headline_questions']} questions of each set, "
         f"{results['setup']['headline_max_tokens']} new tokens; speedup over `none` in the same run.", "",
-        "| dataset | drafter | planner | tokens/call | tokens/s | ×none | τ | identical |", "|---|---|---|---|---|---|---|---|",
+        "| dataset | drafter | planner | tokens/call | tokens/s | ×none | τ | identical |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in (s for s in results["summary"] if s["phase"] == "headline"):
         name = s["drafter"] + (f" ({s['k']},{s['w']})" if s["k"] else "")
         planner = "–" if s["drafter"] == "none" else ("on" if s["planner"] else "off")
         lines.append(f"| {s['dataset']} | {name} | {planner} | {s['tokens_per_call']:.2f} | {s['tokens_per_s']:.1f} | "
-                     f"{s['speedup_vs_none']:.2f} | {s['mean_acceptance_length']:.2f} | {s['all_identical_to_baseline']} |")
+                     f"{s['speedup_vs_none']:.2f} | {s['mean_acceptance_length']:.2f} | "
+                     f"{s['all_identical_to_baseline']} |")
     lines += [""] + (_grid_lines(results) if results["setup"]["grid_questions"] else [])
     mismatches = sum(r["exactness"] == "mismatch" for r in results["rows"])
-    lines.append(f"Exactness: {mismatches} outputs differ from `none` beyond a near-tie, over {len(results['rows'])} generations.")
+    lines.append(f"Exactness: {mismatches} outputs differ from `none` beyond a near-tie, over "
+                 f"{len(results['rows'])} generations.")
     return "\n".join(lines) + "\n"
 
 
@@ -169,8 +171,10 @@ def _grid_lines(results: dict) -> list[str]:
     lines = [f"Grid (planner off, first {results['setup']['grid_questions']} questions, "
              f"{results['setup']['grid_max_tokens']} new tokens): tokens per call", ""]
     for dataset in DATASETS:
-        lines += [f"**{dataset}**", "", "| k \\ w | " + " | ".join(map(str, GRID_W)) + " |", "|---" * (len(GRID_W) + 1) + "|"]
-        cells = {(s["k"], s["w"]): s for s in results["summary"] if s["phase"] == "grid" and s["dataset"] == dataset and s["k"]}
+        lines += [f"**{dataset}**", "", "| k \\ w | " + " | ".join(map(str, GRID_W)) + " |",
+                  "|---" * (len(GRID_W) + 1) + "|"]
+        cells = {(s["k"], s["w"]): s for s in results["summary"]
+                 if s["phase"] == "grid" and s["dataset"] == dataset and s["k"]}
         for k in GRID_K:
             lines.append(f"| {k} | " + " | ".join(_grid_cell(cells.get((k, w))) for w in GRID_W) + " |")
         lines.append("")
@@ -188,7 +192,8 @@ def plot_grids(summary: list[dict], out_dir: Path) -> None:
     import matplotlib.pyplot as plt
 
     for dataset in DATASETS:
-        cells = {(s["k"], s["w"]): s["tokens_per_call"] for s in summary if s["phase"] == "grid" and s["dataset"] == dataset and s["k"]}
+        cells = {(s["k"], s["w"]): s["tokens_per_call"] for s in summary
+                 if s["phase"] == "grid" and s["dataset"] == dataset and s["k"]}
         if not cells:
             continue
         values = [[cells.get((k, w), float("nan")) for w in GRID_W] for k in GRID_K]
@@ -228,7 +233,8 @@ def run_ngram_benchmark(args, config, tokenizer, out_dir: Path) -> dict:
     setup = {"headline_questions": args.limit or 20, "headline_max_tokens": args.max_new_tokens,
              "grid_questions": args.grid_limit, "grid_max_tokens": args.grid_max_new_tokens,
              "datasets": list(DATASETS), "grid_k": list(GRID_K), "grid_w": list(GRID_W)}
-    headline_prompts = {d: first_turn_prompts(tokenizer, d, setup["headline_questions"], args.data_dir) for d in DATASETS}
+    headline_prompts = {d: first_turn_prompts(tokenizer, d, setup["headline_questions"], args.data_dir)
+                        for d in DATASETS}
     runners = {variant: make_runner(variant, args, config) for variant in HEADLINE}
     reference_model = runners[Variant("none")].engine.runner.model
     for runner in runners.values():  # one-off costs stay out of the measurements

@@ -23,7 +23,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench.data import load_questions
-from bench.mt import run_question, warm_up
+from bench.mt import render_prompt, run_question, warm_up
+from bench.runners import EngineRunner, HFRunner
+from engine.engine import Engine
+from engine.model.model_loader import load_model
 
 SPEC_BENCH_CATEGORIES = ("multi-turn", "translation", "summarization", "qa", "math_reasoning", "rag")
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -48,21 +51,16 @@ def benchmark_questions(data_dir: Path | None, limit: int) -> list[dict]:
             counts[category] += 1
             chosen.append({**question, "category": category})
     for question in load_questions("mt-redundant", data_dir)[:limit]:
-        chosen.append({**question, "question_id": f"mt-redundant-{question['question_id']}", "category": "mt-redundant"})
+        chosen.append({**question, "question_id": f"mt-redundant-{question['question_id']}",
+                       "category": "mt-redundant"})
     return chosen
 
 
 def engine_runner(args, config, drafter: str, **spec):
-    from bench.runners import EngineRunner
-    from engine.engine import Engine
-
     return EngineRunner(Engine(config.with_drafter(drafter, **spec)))
 
 
 def make_runners(args, config) -> dict:
-    from bench.runners import HFRunner
-    from engine.model.model_loader import load_model
-
     runners = {name: engine_runner(args, config, name) for name in ("none", "pld", "copyspec")}
     for ranking in ("hidden", "attention"):
         runners[f"pld-plus-{ranking}"] = engine_runner(args, config, "pld-plus", pld_plus_ranking=ranking)
@@ -91,10 +89,9 @@ def run_main(questions: list[dict], runners: dict, tokenizer, args) -> list[dict
 
 def run_ablations(args, config, tokenizer, num_layers: int) -> list[dict]:
     """PLD+ over its hyperparameters on the first summarization prompts: mean acceptance length and tokens/s."""
-    from bench.mt import render_prompt
-
     questions = [q for q in load_questions("spec-bench", args.data_dir) if q["category"] == "summarization"]
-    prompts = [render_prompt(tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in questions[:ABLATION_QUESTIONS]]
+    prompts = [render_prompt(tokenizer, [{"role": "user", "content": q["turns"][0]}])
+               for q in questions[:ABLATION_QUESTIONS]]
     settings = [("layer", layer, {"pld_plus_ranking": "hidden", "pld_plus_layer": layer})
                 for layer in range(1, num_layers, LAYER_STRIDE)]
     settings += [("heads", count or "all", {"pld_plus_ranking": "attention", "pld_plus_num_heads": count or 10**6})
@@ -138,7 +135,8 @@ def summary_entry(category: str, drafter: str, group: list[dict]) -> dict:
         for key, value in row.get("ranking", {}).items():
             ranking[key] += value
     return {"category": category, "drafter": drafter, "num_rows": len(group),
-            "tokens_per_s": round(tokens / seconds, 3), "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
+            "tokens_per_s": round(tokens / seconds, 3),
+            "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
             "drafted_tokens": sum(r["drafted_tokens"] for r in group), "accepted_tokens": accepted,
             "all_identical_to_baseline": None if drafter in PEERS else all(r["exactness"] != "mismatch" for r in group),
             "ranking": dict(ranking) or None}
@@ -146,8 +144,9 @@ def summary_entry(category: str, drafter: str, group: list[dict]) -> dict:
 
 def markdown(results: dict) -> str:
     lines = ["# PLD+ on Spec-Bench and MT-Redundant: greedy, single stream", "", f"Command: `{results['command']}`", "",
-             f"First {results['setup']['limit']} prompts of each category, every turn, {results['setup']['max_new_tokens']} "
-             "new tokens. Tokens/s (× `none` in the same run, τ = mean acceptance length; drafted → accepted):", "",
+             f"First {results['setup']['limit']} prompts of each category, every turn, "
+             f"{results['setup']['max_new_tokens']} new tokens. Tokens/s (× `none` in the same run, τ = mean "
+             "acceptance length; drafted → accepted):", "",
              "| category | " + " | ".join(DRAFTERS) + " |", "|" + "---|" * (len(DRAFTERS) + 1)]
     cells = {(s["category"], s["drafter"]): s for s in results["summary"]}
     for category in [*SPEC_BENCH_CATEGORIES, "mt-redundant", "all"]:
@@ -156,17 +155,20 @@ def markdown(results: dict) -> str:
               "drafted the target's next token then:", ""]
     for drafter in ("pld-plus-hidden", "pld-plus-attention"):
         stats = (cells.get(("all", drafter)) or {}).get("ranking") or {}
-        lines.append(f"- {drafter}: {stats.get('differs_from_first_match', 0)} of {stats.get('drafts', 0)} drafts differed; "
-                     f"ranked right {stats.get('ranked_right', 0)}, first match right {stats.get('first_match_right', 0)}")
-    lines += ["", f"Ablations (first {ABLATION_QUESTIONS} summarization prompts, {ABLATION_MAX_TOKENS} new tokens):", "",
+        lines.append(f"- {drafter}: {stats.get('differs_from_first_match', 0)} of {stats.get('drafts', 0)} drafts "
+                     f"differed; ranked right {stats.get('ranked_right', 0)}, first match right "
+                     f"{stats.get('first_match_right', 0)}")
+    lines += ["", f"Ablations (first {ABLATION_QUESTIONS} summarization prompts, {ABLATION_MAX_TOKENS} new tokens):",
+              "",
               "| knob | value | tokens/s | τ |", "|---|---|---|---|"]
-    lines += [f"| {r['knob']} | {r['value']} | {r['tokens_per_s']:.1f} | {r['mean_acceptance_length']:.2f} |" for r in results["ablations"]]
+    lines += [f"| {r['knob']} | {r['value']} | {r['tokens_per_s']:.1f} | {r['mean_acceptance_length']:.2f} |"
+              for r in results["ablations"]]
     ours = [r for r in results["rows"] if r["drafter"] not in PEERS]
     mismatches = sum(r["exactness"] == "mismatch" for r in ours)
     near_ties = sum(r["exactness"] == "near-tie" for r in ours)
-    lines += ["", f"Exactness: of {len(ours)} outputs of specserve's drafters, {mismatches} differ from `none` beyond a "
-              f"near-tie ({near_ties} at near-ties). The `hf-pld` peer runs the float32 model where the engine serves "
-              f"{results['setup'].get('weights', 'its own weights')}, so its answers are not compared."]
+    lines += ["", f"Exactness: of {len(ours)} outputs of specserve's drafters, {mismatches} differ from `none` "
+              f"beyond a near-tie ({near_ties} at near-ties). The `hf-pld` peer runs the float32 model where the "
+              f"engine serves {results['setup'].get('weights', 'its own weights')}, so its answers are not compared."]
     return "\n".join(lines) + "\n"
 
 
@@ -188,7 +190,8 @@ def plot(summary: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(10, 4))
     width = 0.8 / len(DRAFTERS)
     for i, drafter in enumerate(DRAFTERS):
-        ax.bar([c + i * width for c in range(len(categories))], [speed.get((c, drafter), 0) for c in categories], width, label=drafter)
+        ax.bar([c + i * width for c in range(len(categories))], [speed.get((c, drafter), 0) for c in categories], width,
+               label=drafter)
     ax.set_xticks([c + 0.4 - width / 2 for c in range(len(categories))], categories, rotation=20)
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_ylabel("speedup over none")

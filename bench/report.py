@@ -71,8 +71,10 @@ def plot_speedups(summary: list[dict], drafters: list[str], path: Path) -> None:
         categories = list(dict.fromkeys(s["category"] for s in summary if s["turn"] == turn))
         width = 0.8 / len(drafters)
         for i, drafter in enumerate(drafters):
-            values = {s["category"]: s["tokens_per_s"] for s in summary if s["turn"] == turn and s["drafter"] == drafter}
-            ax.bar([c + i * width for c in range(len(categories))], [values.get(c, 0) for c in categories], width, label=drafter)
+            values = {s["category"]: s["tokens_per_s"] for s in summary
+                      if s["turn"] == turn and s["drafter"] == drafter}
+            ax.bar([c + i * width for c in range(len(categories))], [values.get(c, 0) for c in categories], width,
+                   label=drafter)
         ax.set_xticks([c + 0.4 - width / 2 for c in range(len(categories))], categories, rotation=30)
         ax.set_title(f"turn {turn}")
         ax.set_ylabel("tokens/s")

@@ -43,7 +43,8 @@ class EngineRunner:
                 token_ids += output.new_token_ids
                 spec = output.spec or spec
         seconds = time.perf_counter() - start
-        return Generation(token_ids, seconds, num_forwards, spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+        return Generation(token_ids, seconds, num_forwards, spec.num_drafts, spec.num_draft_tokens,
+                          spec.num_accepted_tokens)
 
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy answers to all prompts, served together by the continuous-batching engine (untimed)."""

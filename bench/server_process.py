@@ -62,14 +62,16 @@ def specserve_command(port: int, *extra_args: str) -> list[str]:
 
 
 def start_process(
-    command: list[str], port: int, log_dir: Path, deadline_s: float = STARTUP_DEADLINE_S, env: dict[str, str] | None = None
+    command: list[str], port: int, log_dir: Path, deadline_s: float = STARTUP_DEADLINE_S,
+    env: dict[str, str] | None = None,
 ) -> RunningServer:
-    """Run `command` in its own process group, logging to LOG_DIR/server-PORT.log; `env` is added to this environment."""
+    """Run `command` in its own process group, logging to LOG_DIR/server-PORT.log; `env` is added to this
+    environment."""
     log_path = log_dir / f"server-{port}.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **env} if env else None,
-            preexec_fn=die_with_parent,
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **env} if env else None, preexec_fn=die_with_parent,
         )
     server = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
     try:

@@ -1,26 +1,17 @@
 """Session benchmark: multi-turn conversations replayed through the HTTP server, sessions off, explicit and implicit.
 
-Two conversation sets: MT-Redundant's two turns, and three-turn self-correction
-conversations built from Spec-Bench's `math_reasoning` items (write a program,
-review it, give the final code). One specserve per (session mode, drafter) is
-started on loopback up front and warmed up with one short request. Then the
-runs are interleaved by conversation: each conversation is replayed on every
-server in turn, one server busy at a time (the others idle), in an order
-reversed at every other conversation, so the servers' ratios compare
-measurements minutes apart, not the tens of minutes over which a shared
-machine's speed drifts. One client sends every turn greedily and streamed (so
-time to first token holds no queueing); each server keeps its own history, so
-every turn carries the text that same server returned for the turns before.
-Each record's `measured_at_s` says when its request was sent. In `explicit`
-mode each request names its session (`X-Session-ID`); in `off` and `implicit`
-modes none does, as an unmodified client would not. The result files are
-rewritten after every conversation, so a run that dies keeps what it measured;
-all servers are stopped at the end, also on error. Report rows and files:
-bench/sessions_report.py.
-
-Memory: every server has its own KV pool of `--kv-cache-memory` GiB. With
-`--kv-cache-memory 1` one specserve takes about 1.7 GB, so the default run
-(3 modes x 2 drafters = 6 servers) fits in 24 GB: pass `--kv-cache-memory 1` for it.
+Two conversation sets: MT-Redundant's two turns, and three-turn self-correction conversations built from Spec-Bench's
+`math_reasoning` items (write a program, review it, give the final code). One specserve per (session mode, drafter) is
+started on loopback up front and warmed up with one short request. The runs are interleaved by conversation: each
+conversation is replayed on every server in turn, the others idle, in an order reversed at every other conversation,
+so the servers' ratios compare measurements minutes apart, not the tens of minutes over which a shared machine's speed
+drifts. One client sends every turn greedily and streamed (so time to first token holds no queueing); each server
+keeps its own history, so every turn carries the text that same server returned for the turns before. In `explicit`
+mode each request names its session (`X-Session-ID`); in `off` and `implicit` modes none does, as an unmodified client
+would not. Each record's `measured_at_s` says when its request was sent. The result files are rewritten after every
+conversation, so a run that dies keeps what it measured; all servers are stopped at the end, also on error. Report
+rows and files: bench/sessions_report.py. Memory: every server has its own KV pool of `--kv-cache-memory` GiB, and the
+default run starts six (3 modes x 2 drafters) at once, so size the pool for six.
 """
 from __future__ import annotations
 
@@ -105,11 +96,15 @@ def session_headers(session_mode: str, conversation: Conversation) -> dict[str, 
     return {SESSION_HEADER: conversation.session_id} if session_mode in SESSION_NAMING_MODES else {}
 
 
-def turn_record(conversation: Conversation, turn: int, server: SessionServer, reply: StreamedReply, measured_at_s: float) -> dict:
-    """One request's measurements; times in seconds, MEASURED_AT_S from the first measurement's start to this request's."""
+def turn_record(
+    conversation: Conversation, turn: int, server: SessionServer, reply: StreamedReply, measured_at_s: float
+) -> dict:
+    """One request's measurements; times in seconds, MEASURED_AT_S from the first measurement's start to this
+    request's."""
     spec = reply.spec_stats or {}
     return {
-        "benchmark": conversation.benchmark, "question_id": conversation.question_id, "session_mode": server.session_mode,
+        "benchmark": conversation.benchmark, "question_id": conversation.question_id,
+        "session_mode": server.session_mode,
         "drafter": server.drafter, "turn": turn, "measured_at_s": round(measured_at_s, 1),
         "ttft_s": round(reply.ttft_s, 5), "e2e_s": round(reply.e2e_s, 5),
         "prompt_tokens": reply.prompt_tokens, "cached_tokens": reply.cached_tokens,
@@ -164,18 +159,21 @@ async def replay_all(servers: list[SessionServer], model: str, conversations: li
         return await replay_interleaved(client, servers, model, conversations, max_tokens, after_conversation)
 
 
-def measure_servers(settings: list[tuple[str, str]], engine_flags: list[str], model: str, conversations: list[Conversation],
-                    max_tokens: int, log_dir: Path, after_conversation: Callable[[list[dict]], None]) -> list[dict]:
+def measure_servers(settings: list[tuple[str, str]], engine_flags: list[str], model: str,
+                    conversations: list[Conversation], max_tokens: int, log_dir: Path,
+                    after_conversation: Callable[[list[dict]], None]) -> list[dict]:
     """One specserve per (session mode, drafter) in SETTINGS, all up and warmed up at once, replaying CONVERSATIONS
     interleaved; all stopped on leaving, also on error."""
-    under_test = [specserve_under_test(drafter, [*engine_flags, "--session-mode", mode], model) for mode, drafter in settings]
+    under_test = [specserve_under_test(drafter, [*engine_flags, "--session-mode", mode], model)
+                  for mode, drafter in settings]
     with running_servers(under_test, [WARMUP_MESSAGES], log_dir) as running:
         servers = [SessionServer(mode, drafter, r.api_url) for (mode, drafter), r in zip(settings, running)]
         return asyncio.run(replay_all(servers, model, conversations, max_tokens, after_conversation))
 
 
 def run_sessions_benchmark(args, drafters: list[str], engine_flags: list[str], out_dir: Path) -> list[dict]:
-    """Every (session mode, drafter) pair, one server each, interleaved by conversation; results rewritten after each."""
+    """Every (session mode, drafter) pair, one server each, interleaved by conversation; results rewritten after
+    each."""
     out_dir.mkdir(parents=True, exist_ok=True)
     conversations = build_conversations(args.benchmarks, args.data_dir, args.limit, args.self_correction_limit)
     if not conversations:
@@ -184,7 +182,8 @@ def run_sessions_benchmark(args, drafters: list[str], engine_flags: list[str], o
     settings = [(mode, drafter) for mode in args.session_modes for drafter in drafters]
     setup = {"specserve_flags": engine_flags, "max_new_tokens": args.max_new_tokens,
              "session_modes": list(args.session_modes), "drafters": list(drafters), "order": ORDER,
-             "self_correction_prompts": list(SELF_CORRECTION_PROMPTS), "num_conversations": count_by_benchmark(conversations)}
+             "self_correction_prompts": list(SELF_CORRECTION_PROMPTS),
+             "num_conversations": count_by_benchmark(conversations)}
     command = "specserve " + " ".join(sys.argv[1:])
     records = measure_servers(settings, engine_flags, model, conversations, args.max_new_tokens, out_dir,
                               lambda so_far: write_sessions_results(so_far, command, setup, out_dir))

@@ -10,9 +10,9 @@ from pathlib import Path
 from bench.concurrency import percentile
 
 ORDER = "interleaved by conversation"  # results.json setup["order"]
-ORDER_NOTE = ("All servers up at once, each warmed up; each conversation is replayed on every server in turn (the others "
-              "idle), in an order reversed at every other conversation, so ratios compare measurements minutes apart; "
-              "`measured_at_s` in results.json says when each turn was sent.")
+ORDER_NOTE = ("All servers up at once, each warmed up; each conversation is replayed on every server in turn (the "
+              "others idle), in an order reversed at every other conversation, so ratios compare measurements minutes "
+              "apart; `measured_at_s` in results.json says when each turn was sent.")
 BASELINE = ("off", "none")  # (session_mode, drafter) whose outputs every other server must reproduce
 GroupKey = tuple[str, str, str, int]  # (benchmark, session_mode, drafter, turn)
 
@@ -120,12 +120,14 @@ def _cell(value, spec: str = "") -> str:
 
 
 def summary_table(summary: list[dict]) -> list[str]:
-    lines = ["| benchmark | sessions | drafter | turn | n | TTFT p50 s | tok/s | copied | τ | prompt tok | cached tok | = off/none |",
+    lines = ["| benchmark | sessions | drafter | turn | n | TTFT p50 s | tok/s | copied | τ | prompt tok | cached tok "
+             "| = off/none |",
              "|" + "---|" * 12]
     for r in summary:
-        lines.append(f"| {r['benchmark']} | {r['session_mode']} | {r['drafter']} | {r['turn']} | {r['num_conversations']} | "
-                     f"{r['ttft_p50_s']:.3f} | {r['tokens_per_s']:.1f} | {r['copied_fraction']:.2f} | "
-                     f"{r['mean_acceptance_length']:.2f} | {r['prompt_tokens_mean']:.0f} | {r['cached_tokens_mean']:.0f} | "
+        lines.append(f"| {r['benchmark']} | {r['session_mode']} | {r['drafter']} | {r['turn']} | "
+                     f"{r['num_conversations']} | {r['ttft_p50_s']:.3f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['copied_fraction']:.2f} | {r['mean_acceptance_length']:.2f} | "
+                     f"{r['prompt_tokens_mean']:.0f} | {r['cached_tokens_mean']:.0f} | "
                      f"{_cell(r['outputs_equal_baseline'])} |")
     return lines
 
@@ -172,7 +174,8 @@ def markdown_report(results: dict) -> str:
              "tokens per completion token; τ = mean acceptance length; cached tok = prompt tokens whose KV the server "
              "reused; = off/none = outputs identical to the sessions-off, no-drafter server's.", "",
              *summary_table(results["summary"])]
-    for metric, title in (("ttft_p50_s", "Time to first token, p50 sessions off ÷ p50 with sessions (above 1: faster):"),
+    for metric, title in (("ttft_p50_s",
+                           "Time to first token, p50 sessions off ÷ p50 with sessions (above 1: faster):"),
                           ("tokens_per_s", "Tokens/s, drafter ÷ `none`:")):
         ratios = [q for q in results["ratios"] if q["metric"] == metric]
         if ratios:
@@ -188,7 +191,8 @@ def replace_text(path: Path, text: str) -> None:
 
 
 def write_sessions_results(records: list[dict], command: str, setup: dict, out_dir: Path) -> list[dict]:
-    """results.json, results.md and ttft_and_speed.png under OUT_DIR (rewritten as a run goes on); returns the summary rows."""
+    """results.json, results.md and ttft_and_speed.png under OUT_DIR (rewritten as a run goes on); returns the
+    summary rows."""
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summary_rows(records)
     baseline = baseline_texts(records)

@@ -25,6 +25,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from bench.server_process import start_server, stop_server
+
 MODEL = "SmolLM2-135M-Instruct"
 TOPICS = ("a lighthouse", "the sea", "a robot that learns to paint", "bread", "a city at night", "prime numbers",
           "an old library", "rain", "a chess game", "the moon")
@@ -79,9 +81,12 @@ def resident_mib(server_pid: int) -> float:
     return total / 2**20
 
 
-def one_request(client: httpx.Client, rng: random.Random, config: LoadConfig, report: LoadReport, lock: threading.Lock) -> None:
+def one_request(
+    client: httpx.Client, rng: random.Random, config: LoadConfig, report: LoadReport, lock: threading.Lock
+) -> None:
     body = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": rng.randint(*config.max_tokens), "temperature": 0.0 if rng.random() < 0.25 else rng.uniform(0.3, 1.2),
+            "max_tokens": rng.randint(*config.max_tokens),
+            "temperature": 0.0 if rng.random() < 0.25 else rng.uniform(0.3, 1.2),
             "messages": [{"role": "user", "content": f"Write about {rng.choice(TOPICS)} ({rng.randint(0, 10**6)})."}]}
     hang_up_after = rng.randint(1, 20) if rng.random() < config.hang_up_share else None
     start, outcome = time.monotonic(), stream_outcome(client, body, hang_up_after)
@@ -129,7 +134,9 @@ def stream_outcome(client: httpx.Client, body: dict, hang_up_after: int | None) 
     return ("completed" if finished and done else "truncated"), ttft, tokens
 
 
-def client_loop(base_url: str, config: LoadConfig, index: int, deadline: float, report: LoadReport, lock: threading.Lock) -> None:
+def client_loop(
+    base_url: str, config: LoadConfig, index: int, deadline: float, report: LoadReport, lock: threading.Lock
+) -> None:
     rng = random.Random(config.seed * 1000 + index)
     with httpx.Client(base_url=base_url, timeout=300, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         while time.monotonic() < deadline:
@@ -156,15 +163,14 @@ def settle(base_url: str, deadline_s: float = 30.0) -> dict:
     end = time.monotonic() + deadline_s
     while True:
         health = httpx.get(base_url + "/health", timeout=5).json()
-        if (health["num_running"], health["num_waiting"], health["kv_cache_usage"]) == (0, 0, 0) or time.monotonic() > end:
+        if ((health["num_running"], health["num_waiting"], health["kv_cache_usage"]) == (0, 0, 0)
+                or time.monotonic() > end):
             return health
         time.sleep(0.2)  # poll interval, bounded by the deadline
 
 
 def run_soak(args, out_dir: Path) -> dict:
     """`specserve bench soak`: a specserve on loopback (sessions off, so KV must return to zero), the load, a report."""
-    from bench.server_process import start_server, stop_server
-
     out_dir.mkdir(parents=True, exist_ok=True)
     server = start_server(out_dir, "--session-mode", "off", "--max-num-seqs", str(args.soak_clients))
     try:
@@ -191,16 +197,17 @@ def markdown(results: dict) -> str:
     return "\n".join([
         "# Soak: streaming clients against one specserve", "", f"Command: `{results['command']}`", "",
         f"{results['config']['clients']} clients for {results['config']['duration_s']:.0f} s; random max_tokens "
-        f"{results['config']['max_tokens']}, temperature 0 (a quarter) or 0.3-1.2, {results['config']['hang_up_share']:.0%} "
-        "of requests hung up after 1-20 chunks.", "",
+        f"{results['config']['max_tokens']}, temperature 0 (a quarter) or 0.3-1.2, "
+        f"{results['config']['hang_up_share']:.0%} of requests hung up after 1-20 chunks.", "",
         "| requests | completed | hung up | truncated | errors | tokens | latency p50 / p99 s | TTFT p50 / p99 s |",
         "|---|---|---|---|---|---|---|---|",
         f"| {s['requests']} | {s['completed']} | {s['hung_up']} | {s['truncated']} | {sum(s['errors'].values())} "
         f"{s['errors'] or ''} | {s['completion_tokens']} | {s['latency_p50_s']} / {s['latency_p99_s']} | "
         f"{s['ttft_p50_s']} / {s['ttft_p99_s']} |", "",
-        f"After the load: {h['num_running']} running, {h['num_waiting']} waiting, KV in use {h['kv_cache_usage']}, engine "
-        f"restarts {h.get('engine_restarts')}. Memory (server + engine RSS): baseline {m['baseline']} MiB, peak {m['peak']} "
-        f"MiB, after {m['after']} MiB ({(m['after'] / m['baseline'] - 1):+.1%}). Over time: memory.png.", ""])
+        f"After the load: {h['num_running']} running, {h['num_waiting']} waiting, KV in use "
+        f"{h['kv_cache_usage']}, engine restarts {h.get('engine_restarts')}. Memory (server + engine RSS): baseline "
+        f"{m['baseline']} MiB, peak {m['peak']} MiB, after {m['after']} MiB ({(m['after'] / m['baseline'] - 1):+.1%}). "
+        "Over time: memory.png.", ""])
 
 
 def plot_memory(samples: list[tuple[float, float]], baseline: float, path: Path) -> None:

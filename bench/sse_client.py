@@ -40,7 +40,9 @@ def chat_body(model: str, messages: list[dict], max_tokens: int) -> dict:
             "stream": True, "stream_options": {"include_usage": True}}
 
 
-async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, headers: dict[str, str] | None = None) -> StreamedReply:
+async def stream_chat(
+    client: httpx.AsyncClient, url: str, body: dict, headers: dict[str, str] | None = None
+) -> StreamedReply:
     """POST BODY to URL/chat/completions and read the SSE stream to its end."""
     start = time.perf_counter()
     first = last = None
@@ -65,4 +67,5 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, headers: 
                 pieces.append(text)
     if first is None:
         raise RuntimeError("the server streamed no text")
-    return StreamedReply("".join(pieces), first - start, time.perf_counter() - start, last - first, len(pieces), usage, spec_stats)
+    return StreamedReply("".join(pieces), first - start, time.perf_counter() - start, last - first, len(pieces), usage,
+                         spec_stats)

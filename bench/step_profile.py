@@ -1,13 +1,12 @@
 """Where an engine step's time goes: one decode step and one 16-token verify step, at batch 1 and 16.
 
-In-process engine on the served model. B requests with 512-token contexts (an MT-Redundant
-question, its text repeated as a long first answer, and its second turn) are prefilled; then each measured step is timed phase by phase (schedule, forward, verify,
-update, draft, the wire's encoding of the step's outputs), and the forward's operators
-are timed with torch's profiler and sorted into matmuls, attention, the other tensor
-operators, and what is left of the forward's wall time: Python, transformers' module
-calls and PyTorch's dispatch. A verify step carries 15 drafted tokens per request
-(the planner off, every one verified); its drafts copy the request's own prompt.
-Each figure is the median over the repeats.
+In-process engine on the served model. B requests with 512-token contexts (an MT-Redundant question, its text repeated
+as a long first answer, and its second turn) are prefilled; then each measured step is timed phase by phase
+(schedule, forward, verify, update, draft, the wire's encoding of the step's outputs), and the forward's operators are
+timed with torch's profiler and sorted into matmuls, attention, the other tensor operators, and what is left of the
+forward's wall time: Python, transformers' module calls and PyTorch's dispatch. A verify step carries 15 drafted
+tokens per request (the planner off, every one verified); its drafts copy the request's own prompt. Each figure is the
+median over the repeats.
 """
 from __future__ import annotations
 
@@ -16,13 +15,18 @@ import shlex
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
 import msgspec
 import torch
 
+from bench.data import load_questions
 from bench.mt import turn_prompts
+from drafters.base import Draft
+from engine.engine import Engine, _wire_output
+from engine.wire import EngineOutputs, EngineRequest, SamplingParams
 
 REPEATS = 7
 DRAFT_LEN = 15  # drafted tokens per request in a verify step: 16 tokens with the last real one
@@ -31,7 +35,8 @@ PHASES = ("schedule", "forward", "verify", "update", "draft", "wire")
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
               "specserve::w4a8_linear",
               "aten::mkldnn_linear", "aten::_mkl_linear")
-ATTENTION_OPS = ("specserve::row_attention", "scaled_dot_product", "aten::index_select", "aten::index_put_", "aten::masked_fill", "aten::einsum")
+ATTENTION_OPS = ("specserve::row_attention", "scaled_dot_product", "aten::index_select", "aten::index_put_",
+                 "aten::masked_fill", "aten::einsum")
 
 
 def category(op_name: str) -> str:
@@ -52,18 +57,15 @@ class FixedDraft:
         return getattr(self.inner, name)
 
     def propose(self, reqs):
-        from drafters.base import Draft
-
         return [Draft(list(req.prompt_token_ids[:DRAFT_LEN]), "fixed") for req in reqs]
 
 
 def prefilled_engine(config, prompts: list[list[int]]):
-    from engine.engine import Engine
-    from engine.wire import EngineRequest, SamplingParams
-
     engine = Engine(config)
     for i, prompt in enumerate(prompts):
-        engine.add_request(EngineRequest(f"p{i}", prompt, SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True)))
+        engine.add_request(
+            EngineRequest(f"p{i}", prompt, SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True))
+        )
     while any(not req.is_decoding for req in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     return engine
@@ -71,11 +73,6 @@ def prefilled_engine(config, prompts: list[list[int]]):
 
 def timed_step(engine, profile: bool) -> tuple[dict[str, float], dict[str, float] | None, int]:
     """One step phase by phase (ms), its forward's operators by category (ms) when PROFILE, and its token count."""
-    from contextlib import nullcontext
-
-    from engine.engine import _wire_output
-    from engine.wire import EngineOutputs
-
     times = {}
     start = time.perf_counter()
     sched_out = engine.scheduler.schedule()
@@ -121,13 +118,12 @@ def profile_case(config, prompts: list[list[int]], verify: bool) -> dict:
     phases = {p: round(statistics.median(s[0][p] for s in plain), 2) for p in PHASES}
     operators = {c: round(statistics.median(s[1][c] for s in profiled), 2) for c in profiled[0][1]}
     operators["python, modules, dispatch"] = round(max(phases["forward"] - sum(operators.values()), 0.0), 2)
-    return {"batch": len(prompts), "step": "verify 16" if verify else "decode", "tokens": plain[0][2], "weights": weights,
+    return {"batch": len(prompts), "step": "verify 16" if verify else "decode", "tokens": plain[0][2],
+            "weights": weights,
             "step_ms": round(sum(phases.values()), 2), "phases_ms": phases, "forward_ms": operators}
 
 
 def run_step_profile(args, config, tokenizer, out_dir: Path) -> dict:
-    from bench.data import load_questions
-
     questions = load_questions("mt-redundant", args.data_dir)
     prompts = [context_of(tokenizer, q) for q in questions[:16]]
     base = config.with_drafter("copyspec")

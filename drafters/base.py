@@ -31,7 +31,8 @@ class Draft:
     token_ids: list[int]  # [n] drafted tokens; empty = nothing worth verifying
     source: str  # the drafter that proposed it
     parents: list[int] = None  # [n] each token's parent index, -1 = the request's last token; None given = a chain
-    acceptance: list[float] | None = None  # [n] the drafter's own estimate of each token's acceptance given its parent's
+    # [n] the drafter's own estimate of each token's acceptance given its parent's
+    acceptance: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.parents is None:
@@ -47,7 +48,8 @@ class Draft:
 class CaptureSpec:
     """What a drafter needs from the target's forward beyond logits."""
 
-    hidden_layer: int | None = None  # the residual stream after this many decoder layers (transformers' hidden_states index)
+    # the residual stream after this many decoder layers (transformers' hidden_states index)
+    hidden_layer: int | None = None
     attention_heads: tuple[tuple[int, int], ...] = ()  # (layer, head) pairs whose attention rows it reads
 
     @property
@@ -62,7 +64,8 @@ class Computed:
     start: int  # position of token_ids[0]
     token_ids: list[int]  # [n] in position order: prefill chunks, or the last token and the accepted draft path
     hidden_states: torch.Tensor | None = None  # [n, hidden_size] at CaptureSpec.hidden_layer
-    attention: torch.Tensor | None = None  # [num capture heads, start + n] the last token's attention over every position
+    # [num capture heads, start + n] the last token's attention over every position
+    attention: torch.Tensor | None = None
 
 
 class PldPlusCalibrationLike(Protocol):
@@ -81,7 +84,9 @@ class ModelForward(Protocol):
     name: str
     shares_target_kv: bool  # an early exit of the target: every position the target computed is computed for it
 
-    def __call__(self, chains: list[tuple[str, list[int], int]], num_logits: list[int] | None = None) -> list[torch.Tensor]:
+    def __call__(
+        self, chains: list[tuple[str, list[int], int]], num_logits: list[int] | None = None
+    ) -> list[torch.Tensor]:
         """(request id, token ids, position of the first) per request -> per chain [num_logits, vocab] logits."""
 
     def reserve(self, reqs: list, beside: list) -> dict[str, int]:
@@ -107,7 +112,8 @@ class DrafterContext:
     vocab_size: int
     num_layers: int
     cache_dir: Path  # model-derived tables live under it
-    next_token_logits: Callable[[list[int]], torch.Tensor] = field(repr=False)  # [B] tokens -> [B, vocab]: each after BOS
+    # [B] tokens -> [B, vocab]: each after BOS
+    next_token_logits: Callable[[list[int]], torch.Tensor] = field(repr=False)
     pld_plus_calibration: PldPlusCalibrationLike | None = None  # `specserve calibrate pld-plus`'s, if made
     draft_forward: ModelForward | None = None  # when the engine owns a draft model
     companion_forward: ModelForward | None = None  # the same over the companion model, when the engine owns one

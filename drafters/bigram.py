@@ -107,7 +107,8 @@ class BackgroundTable:
         self.table: BigramTable | None = load_table(path)
         self.thread: threading.Thread | None = None
         if self.table is None:
-            logger.info("no model bigram table at %s yet: building it in the background; context drafts meanwhile", path)
+            logger.info("no model bigram table at %s yet: building it in the background; context drafts meanwhile",
+                        path)
             self.thread = threading.Thread(target=self._build, args=(build,), name="bigram-table", daemon=True)
             self.thread.start()
 

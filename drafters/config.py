@@ -29,7 +29,8 @@ class SpecConfig:
         "help": "draft model: tokens drafted per step at most (the goodput planner may draft fewer)"})
 
     def __post_init__(self) -> None:
-        for name in ("copy_gamma", "copy_max_tokens", "ngram_k", "ngram_w", "pld_num_tokens", "pld_plus_max_tokens", "num_draft_tokens"):
+        for name in ("copy_gamma", "copy_max_tokens", "ngram_k", "ngram_w", "pld_num_tokens", "pld_plus_max_tokens",
+                     "num_draft_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.pld_plus_layer is not None and self.pld_plus_layer < 1:

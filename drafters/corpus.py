@@ -35,7 +35,8 @@ class SessionCorpus(Generic[IndexT]):
 
     def _start(self, earlier: Sequence[int], token_ids: Sequence[int]) -> None:
         self.num_earlier = len(earlier)
-        self.corpus: list[int] = [*earlier, *token_ids]  # [corpus length] the earlier version, then the request's tokens
+        # [corpus length] the earlier version, then the request's tokens
+        self.corpus: list[int] = [*earlier, *token_ids]
         self.index: IndexT = self.new_index()
         self.index.extend(self.corpus)
 

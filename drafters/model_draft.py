@@ -1,27 +1,17 @@
 """Drafting with a model (`--drafter draft`), and copy first, model second (`--drafter copyspec+draft`).
 
-The draft model runs autoregressively, all drafting requests batched in one packed
-forward per drafted position, for as many tokens as the scheduler allowed each request
-this step (`DraftForward.reserve`, asked for the requests about to draft, beside the rest
-of the batch: the scheduler reserves their KV blocks, and its goodput planner may allow
-none). Each drafted token is the draft model's argmax for a greedy request; for a sampled
-request it is drawn from the draft distribution q — the draft model's logits after the
-request's temperature, top-k and top-p, the processing the target's p gets — and q is
-kept here, for the verifier's min(1, p/q) test and residual (engine/verifier.py) and the
-companion's scores (a greedy request keeps the plain softmax, and only when a companion
-scores its drafts). q never leaves the engine process and never reaches the scheduler.
+The draft model runs autoregressively, all drafting requests batched in one packed forward per drafted position, for
+as many tokens as the scheduler allows each request this step (`DraftForward.reserve`: the scheduler reserves their KV
+blocks, and its goodput planner may allow none). A greedy request drafts the draft model's argmax; a sampled one draws
+from q, the draft model's logits after the request's temperature, top-k and top-p (the processing the target's p gets).
+q stays here, in the engine process, for the verifier's min(1, p/q) test and residual (engine/verifier.py) and the
+companion's scores. With a companion model (SV §4, engine/companion.py), one packed forward of it over every drafted
+token gives each token's (S, A), and its profiled table the acceptance estimate the planner weighs the token by.
 
-With a companion model (SV §4, engine/companion.py), one packed forward of it over
-every drafted token gives each token's (S, A), and its profiled table the acceptance
-estimate the goodput planner weighs the token by (`Draft.acceptance`).
-
-The draft model's KV: an early exit of the target shares the target's pool, so every
-position the target computed is computed for it. A separate draft model keeps its own
-KV at the same slots; this drafter counts, per request, the positions whose draft KV
-holds the request's real tokens, and each round starts by computing the ones after
-(the prompt at the first draft — lazily, rather than alongside each prefill chunk — and
-afterwards the bonus token, and the last drafted token when all were accepted). Drafted
-tokens the target accepts keep the KV the draft model computed for them.
+The draft model's KV: an early exit of the target shares the target's pool. A separate draft model keeps its own KV
+at the same slots; this drafter counts, per request, the positions whose draft KV holds the request's real tokens, and
+each round first computes the ones after (the prompt at the first draft, lazily, then the bonus token, and the last
+drafted token when all are accepted). Drafted tokens the target accepts keep the KV the draft model computed for them.
 """
 from __future__ import annotations
 
@@ -32,7 +22,8 @@ import torch
 
 from drafters.base import Draft, DraftableRequest, DrafterBase, common_prefix_len
 
-DRAFT_SEED_OFFSET = 0x5EED  # a seeded request draws its drafts from a generator of its own, seeded apart from the target's
+# a seeded request draws its drafts from a generator of its own, seeded apart from the target's
+DRAFT_SEED_OFFSET = 0x5EED
 
 
 def overlap_and_acceptance(q: torch.Tensor, c: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +115,9 @@ class ModelDrafter(DrafterBase):
         state = self._states.get(req.request_id)
         return state.probs if state else None
 
-    def propose(self, reqs: Sequence[DraftableRequest], beside: Sequence[tuple[DraftableRequest, Draft]] = ()) -> list[Draft]:
+    def propose(
+        self, reqs: Sequence[DraftableRequest], beside: Sequence[tuple[DraftableRequest, Draft]] = ()
+    ) -> list[Draft]:
         """Drafts for REQS; BESIDE: the rest of the batch's decoding requests with their drafts, which the scheduler
         weighs the draft's cost against."""
         allowed = self.forward.reserve(list(reqs), list(beside))

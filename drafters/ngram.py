@@ -1,30 +1,18 @@
-"""Learning-free n-grams (Ou et al., "Lossless acceleration of LLMs with learning-free n-grams", §4.2-4.3).
+"""Learning-free n-grams (Stewart et al., "The N-Grammys", arXiv:2411.03786, §4.2-4.3).
 
-Mixed strategy, as the paper builds it: up to k rows of w tokens from the context
-n-grams first, then the extended model bigram fills the rows that are left.
+Mixed strategy, as the paper builds it: up to k rows of w tokens from the context n-grams, then the extended model
+bigram fills the rows that are left.
+- Context n-grams, query length q = 1 (the paper finds q = 2, 3 worse): every full window of 1 + w tokens of the
+  conversation that starts with the last token; identical windows count once, ranked by count, ties to the more
+  recent (the paper's text; its code breaks ties arbitrarily). The index grows in O(w) per token.
+- Model bigram (drafters/bigram.py): the top next tokens of a one-token forward, each extended with the table's
+  argmax to w tokens; rows identical to a context row are dropped and the next bigram candidate takes their place.
 
-- Context n-grams, query length q = 1 (q = 2, 3 were worse in the paper): every full
-  window of 1 + w tokens anywhere in the conversation (prompt, history, output) that
-  starts with the last token; identical windows counted once, ranked by how often
-  they occur, ties to the more recent (the paper's text; its code breaks ties
-  arbitrarily). An index keeps, per first token, each continuation's count and last
-  start; each new token completes one window, so the index grows in O(w) per token.
-- Model bigram (drafters/bigram.py): the top next tokens of a one-token forward, each
-  extended with the table's argmax to w tokens. Rows identical to a context row are
-  dropped (NOTES.md), and the next bigram candidate takes their place.
-
-The paper verifies the k rows as a batch; merging their shared prefixes into one tree
-(drafters/tree.py) verifies the same candidates with fewer tokens and accepts the same
-greedy output. Sessions carry the context index across turns like CopySpec's.
-
-Beyond the paper, for the goodput planner (which the paper does not have): every
-token of the tree carries the drafter's own acceptance estimate. Rows differ widely —
-on SmolLM2's own greedy outputs a context row's first token was right 13-27% of the
-time when the token before the window differs from the token before the query, and
-72-95% when the three tokens before both agree — so the estimate is kept per row
-kind (context: its count, 1 or more, and how many tokens before it agree, 0-3;
-bigram: its rank) and depth, learnt from what the target produced: after each step
-every row of the last draft is scored against the target's tokens, verified or not.
+The k rows are merged into one tree (drafters/tree.py; the paper verifies them as a batch): the same candidates in
+fewer tokens. Beyond the paper, for the goodput planner, each token carries an acceptance estimate per row kind
+(context: count 1 or 2+ and how many of the 3 tokens before it agree; bigram: rank) and depth, as row kinds differ
+widely; every row of the last draft is scored against the target's next tokens. Sessions carry the context index
+across turns like CopySpec's.
 """
 from __future__ import annotations
 
@@ -50,7 +38,8 @@ class ContextNgramIndex:
 
     def __init__(self, w: int) -> None:
         self.w = w
-        self.windows: dict[tuple[int, ...], dict[tuple[int, ...], tuple[int, int]]] = {}  # query -> continuation -> (count, last start)
+        # query -> continuation -> (count, last start)
+        self.windows: dict[tuple[int, ...], dict[tuple[int, ...], tuple[int, int]]] = {}
         self.num_indexed = 0  # tokens of the list already covered
 
     def extend(self, token_ids: Sequence[int]) -> None:

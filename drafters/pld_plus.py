@@ -1,23 +1,17 @@
 """PLD+ (Somasundaram et al. 2024, §4): copy after the earlier occurrence of the last token that the target's own
 computations rank first.
 
-Candidates are every earlier position j of the conversation whose token equals the
-last token x_t (prompt, history, output; across turns through the session cache).
-- hidden (PLD+(h), eq. 3): rank by the cosine between the layer-l hidden state that
-  produced the candidate's token (position j - 1) and the one that produced the last
-  token (position t - 1). States are kept unit-normalised, so the cosine is a dot
-  product.
-- attention (PLD+(a), eq. 2): rank by the maximum, over the selected heads, of the
-  attention of position t - 1 (the last position computed) at key j, the copy source
-  of an induction head (NOTES.md).
-The draft is the K tokens after the best candidate (the paper's K = 70; the goodput
-planner decides how many are verified). No candidate: no draft.
-
-What the ranking reads comes from the target's forward at no extra cost (the
-forward contract's captures). Per request it keeps the hidden states of every
-position computed so far ([positions, hidden] float16, so ~1.1 kB a position for
-SmolLM2) and the last attention row; their bytes are counted (`state_bytes`) so the
-engine can bound them, and the state carries over to a conversation's next turn.
+Candidates are every earlier position j of the conversation (across turns through the session cache) whose token
+equals the last token x_t.
+- hidden (PLD+(h), eq. 3): rank by the cosine between the layer-l hidden states that produced the candidate's token
+  (position j - 1) and the last token (position t - 1); states are kept unit-normalised, so it is a dot product.
+- attention (PLD+(a), eq. 2): rank by the maximum, over the selected heads, of the attention of position t - 1 (the
+  last position computed) at key j, the copy source of an induction head (our reading of the paper).
+The draft is the K tokens after the best candidate (the paper's K = 70; the goodput planner decides how many are
+verified); no candidate, no draft. What the ranking reads comes from the target's forward at no extra cost (the
+forward contract's captures). Per request it keeps the hidden states of every position computed so far ([positions,
+hidden] float16, ~1.1 kB a position for SmolLM2) and the last attention row; their bytes are counted (`state_bytes`)
+so the engine can bound them, and the state carries over to a conversation's next turn.
 """
 from __future__ import annotations
 

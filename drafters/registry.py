@@ -21,7 +21,8 @@ def _copyspec(config: SpecConfig, context: DrafterContext) -> Drafter:
 
 def _draft(config: SpecConfig, context: DrafterContext) -> Drafter:
     if context.draft_forward is None:
-        raise ValueError(f"--drafter {config.drafter} needs a draft model: pass --draft-model (early-exit:N or a model)")
+        raise ValueError(f"--drafter {config.drafter} needs a draft model: "
+                         "pass --draft-model (early-exit:N or a model)")
     if context.companion_forward is not None and not context.sv_tables:
         logger.warning("no companion table for this draft and companion yet (`specserve calibrate sv`): the planner "
                        "weighs drafted tokens by statistics only")
@@ -41,11 +42,13 @@ def _pld_plus(config: SpecConfig, context: DrafterContext) -> Drafter:
     variant at the paper's relative depth (layer 9 of 32)."""
     calibration = context.pld_plus_calibration
     if calibration is None:
-        logger.info("no PLD+ calibration for this model yet (`specserve calibrate pld-plus`): hidden states of layer %d",
-                    default_pld_plus_layer(context.num_layers))
-    ranking = config.pld_plus_ranking if config.pld_plus_ranking != "auto" else getattr(calibration, "ranking", "hidden")
+        logger.info("no PLD+ calibration for this model yet (`specserve calibrate pld-plus`): "
+                    "hidden states of layer %d", default_pld_plus_layer(context.num_layers))
+    ranking = (config.pld_plus_ranking if config.pld_plus_ranking != "auto"
+               else getattr(calibration, "ranking", "hidden"))
     if ranking == "attention" and calibration is None:
-        raise ValueError("--pld-plus-ranking attention needs the calibrated heads: run `specserve calibrate pld-plus` first")
+        raise ValueError("--pld-plus-ranking attention needs the calibrated heads: "
+                         "run `specserve calibrate pld-plus` first")
     layer = config.pld_plus_layer or getattr(calibration, "layer", None) or default_pld_plus_layer(context.num_layers)
     return PldPlusDrafter(ranking, config.pld_plus_max_tokens, layer, _pld_plus_heads(config, calibration))
 

@@ -86,7 +86,10 @@ class SvTable:
 
     @classmethod
     def fit(cls, s: torch.Tensor, a: torch.Tensor, accepted: torch.Tensor, meta: dict | None = None) -> SvTable:
-        table = cls(equal_frequency_edges(s, S_BINS), equal_frequency_edges(a, A_BINS), [], [], float(accepted.mean()), meta or {})
+        table = cls(
+            equal_frequency_edges(s, S_BINS), equal_frequency_edges(a, A_BINS), [], [], float(accepted.mean()),
+            meta or {},
+        )
         table.sums = [[0.0] * (len(table.a_edges) + 1) for _ in range(len(table.s_edges) + 1)]
         table.counts = [[0.0] * (len(table.a_edges) + 1) for _ in range(len(table.s_edges) + 1)]
         for s_value, a_value, outcome in zip(s.tolist(), a.tolist(), accepted.tolist()):

@@ -11,7 +11,8 @@ from scheduler.config import SchedulerConfig, SessionConfig
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-WEIGHT_MODES = ("auto", "float32", "bfloat16", "int8", "int4", "w4a8")  # engine/model/weights.py; kept here so config imports no torch
+# engine/model/weights.py's modes, kept here so that the config imports no torch
+WEIGHT_MODES = ("auto", "float32", "bfloat16", "int8", "int4", "w4a8")
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,8 @@ class Engine:
         pool, blocks = _allocate_kv_pool(loaded, config.cache, backend, extra_bytes)
         self.max_model_len = min(loaded.max_model_len, blocks.num_blocks * blocks.block_size)
         self.runner = PackedModelRunner(loaded.model, loaded.device, pool, blocks.block_size, backend)
-        self.latency_profile = profile_forward_latency(self.runner, blocks, self.vocab_size, self.max_model_len)  # s by num tokens
+        # seconds by number of tokens
+        self.latency_profile = profile_forward_latency(self.runner, blocks, self.vocab_size, self.max_model_len)
         self.path_seconds_per_position = profile_path_seconds(self.runner, blocks, self.vocab_size, self.max_model_len)
         self.num_draft_tokens = config.spec.num_draft_tokens
         self.draft_forward = (
@@ -90,7 +91,9 @@ class Engine:
     ) -> DraftForward:
         """A draft (or companion) model's runner over its pool (the target's, for an early exit), its latency
         profiled like the target's."""
-        runner = PackedModelRunner(draft.model, loaded.device, draft_pool(draft, pool, loaded.device), blocks.block_size, backend)
+        runner = PackedModelRunner(
+            draft.model, loaded.device, draft_pool(draft, pool, loaded.device), blocks.block_size, backend
+        )
         profile = profile_forward_latency(runner, blocks, self.vocab_size, self.max_model_len)
         return DraftForward(draft, runner, blocks, profile, reserve)
 
@@ -114,7 +117,9 @@ class Engine:
         """
         error = self._validate(request) or self._begin_grammar(request)
         if error:
-            return RequestOutput(request.request_id, [], finish_reason="error", error=EngineError("invalid_request", error))
+            return RequestOutput(
+                request.request_id, [], finish_reason="error", error=EngineError("invalid_request", error)
+            )
         req = Request(
             request.request_id, list(request.prompt_token_ids), request.sampling, request.session_id,
             # a drafter that reads what the target computed at every position must see the prompt computed
@@ -319,6 +324,8 @@ def _allocate_kv_pool(
     bytes_per_position = PagedKVPool.bytes_per_slot(*shape, dtype) + extra_bytes_per_position
     num_blocks = int(cache.kv_cache_memory_gib * 2**30) // (bytes_per_position * block_size)
     if num_blocks * block_size < 64:
-        raise ValueError(f"--kv-cache-memory {cache.kv_cache_memory_gib} GiB holds fewer than 64 positions of this model")
+        raise ValueError(
+            f"--kv-cache-memory {cache.kv_cache_memory_gib} GiB holds fewer than 64 positions of this model"
+        )
     pool = PagedKVPool(shape[0], num_blocks * block_size, shape[1], shape[2], dtype, loaded.device)
     return pool, KVBlockManager(num_blocks, block_size)

@@ -1,18 +1,14 @@
 """Grammars that every emitted token of a request must follow (structured outputs, forced tool calls), by llguidance.
 
-Why llguidance rather than xgrammar: it computes each mask lazily from the parser
-state (no per-grammar compilation of a full token automaton, which for a large JSON
-schema takes seconds in xgrammar), ships as one self-contained abi3 wheel with no
-torch or compiler dependency, rolls back and validates token lists without
-changing state (what speculation needs), and is what llama.cpp and vLLM use for
-Lark grammars; its masks take tens of microseconds on this CPU.
+Why llguidance rather than xgrammar: it computes each mask lazily from the parser state (no per-grammar compilation of
+a full token automaton, which for a large JSON schema takes seconds in xgrammar), ships as one self-contained abi3
+wheel with no torch or compiler dependency, rolls back and validates token lists without changing state (what
+speculation needs), and is what llama.cpp and vLLM use for Lark grammars.
 
-A request's matcher follows its committed tokens: verification asks for the mask at
-each position it walks (the target's distribution is masked before the token is
-chosen, drafted position or not) and then consumes the chosen token. Drafts are cut
-to their grammatical part before verification, so a forbidden drafted token is
-never computed; `validate_tokens` checks a path without consuming it, so nothing
-needs rolling back after a cut.
+A request's matcher follows its committed tokens: verification asks for the mask at each position it walks (the
+target's distribution is masked before the token is chosen, drafted position or not) and then consumes the chosen
+token. Drafts are cut to their grammatical part before verification, so a forbidden drafted token is never computed;
+`validate_tokens` checks a path without consuming it, so nothing needs rolling back after a cut.
 """
 from __future__ import annotations
 

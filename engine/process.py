@@ -34,8 +34,8 @@ class EngineLoop:
         self.parent_pid = os.getppid()
 
     def send(self, message) -> None:
-        """Waits for the server as long as it exists: a PUSH to a server that is gone would wait for ever (an engine
-        orphaned that way was found holding 2.8 GB an hour after its test run was killed)."""
+        """Waits for the server as long as it exists: a PUSH to a server that is gone would wait for ever, leaving an
+        orphaned engine holding its memory."""
         raw = self.encoder.encode(message)
         while True:
             try:
@@ -44,7 +44,7 @@ class EngineLoop:
                 self._exit_if_orphaned()
 
     def run(self) -> None:
-        from engine.engine import Engine  # heavy imports happen in the child only
+        from engine.engine import Engine  # local: heavy imports (torch, the model) happen in the child process only
 
         self.engine = Engine(self.config)
         ready = self.engine.ready_message()
@@ -93,7 +93,9 @@ class EngineLoop:
         try:
             return self.engine.add_request(message)
         except QueueFullError as exc:
-            return RequestOutput(message.request_id, [], finish_reason="error", error=EngineError("queue_full", str(exc)))
+            return RequestOutput(
+                message.request_id, [], finish_reason="error", error=EngineError("queue_full", str(exc))
+            )
 
 
 def run_engine_process(config: EngineConfig, input_address: str, output_address: str) -> None:

@@ -1,35 +1,18 @@
 """Lossless verification of a draft tree: the target's own token at every depth, drafted or not.
 
-Walk the tree from the root (the request's last token): at each depth the target
-picks its token from the distribution at the current node — the argmax when greedy,
-else the inverse CDF of p at that depth's uniform — and the walk moves to the child
-drafted with that token, if any; the first depth without one ends the walk with the
-target's token as the bonus (or correction) token.
-
-For point-mass candidates (copied or n-gram tokens) this is SPECTRA's multi-candidate
-rule (Alg. 4) realised by one uniform per depth: Alg. 4 tries the siblings in order,
-accepts s with probability p(s) and otherwise zeroes p(s) and renormalises, so it
-emits s_1 with probability p(s_1), s_2 with (1 - p(s_1)) p(s_2) / (1 - p(s_1)) = p(s_2),
-and any undrafted token x with p(x): every token exactly with probability p(x), which
-is what sampling x ~ p and accepting the sibling equal to x does. A depth's token thus
-depends on its distribution and uniform alone, never on what was drafted, so a
-seeded request samples the same tokens with or without speculation. p is the
-distribution plain sampling draws from (engine/sampler.py's target_probs).
-
-A draft sampled from a draft model's distribution q (a chain) is verified by the
-speculative-sampling rule instead (Leviathan et al. 2023; Chen et al. 2023): at each
-depth the drafted x is accepted with probability min(1, p(x)/q(x)), else the depth's
-token is drawn from the residual (p - q)+ renormalised, and the walk ends. Every token
-is then emitted with probability p. The accept test draws from a second uniform stream
-of the request, one uniform per output position as well; the output still depends on
-what was drafted (a residual is not p), but a seeded request with the same drafts
-samples the same tokens. Greedy requests ignore q: the argmax walk is exact.
-
-A request that changes its logits (penalties, bias, a grammar) or asks for
-log-probabilities is walked one position at a time through its LogitsProcessor
-(engine/logits_processing.py), which counts the tokens emitted earlier in the walk:
-the walk reaches a position only through the tokens plain decoding would have
-emitted before it, so each position's distribution is plain decoding's there.
+Walk the tree from the root (the request's last token): at each depth the target picks its token from p at the current
+node (the argmax when greedy, else the inverse CDF of p at that depth's uniform; p as plain sampling draws it,
+engine/sampler.py's target_probs) and moves to the child drafted with that token; the first depth without one ends the
+walk with the target's token as the bonus token. For point-mass candidates (copied or n-gram tokens) this is SPECTRA's
+multi-candidate rule (Alg. 4) with one uniform per depth: Alg. 4 emits every token x with probability p(x), as sampling
+x ~ p and accepting the sibling equal to x does. A depth's token thus depends on its distribution and uniform alone,
+so a seeded request samples the same tokens with or without speculation.
+A chain sampled from a draft model's q is verified by speculative sampling (Leviathan et al. 2023; Chen et al. 2023):
+the drafted x is accepted with probability min(1, p(x)/q(x)), else the token is drawn from the residual (p - q)+ and
+the walk ends; the accept test draws from a second uniform stream per request, so a seeded request with the same drafts
+samples the same tokens; greedy requests ignore q. A request that changes its logits (penalties, bias, grammar) or asks
+for log-probabilities is walked one position at a time through its LogitsProcessor (engine/logits_processing.py): it
+reaches a position only through the tokens plain decoding would emit, so each distribution there is plain decoding's.
 """
 from __future__ import annotations
 
@@ -143,7 +126,9 @@ class Verifier:
             max(depths(draft_parents), default=0) + 1
         )
         if draft_probs is not None and not params.greedy:
-            result, logprobs = self._verify_model_draft(req, logits, draft_token_ids, draft_parents, draft_probs, uniforms)
+            result, logprobs = self._verify_model_draft(
+                req, logits, draft_token_ids, draft_parents, draft_probs, uniforms
+            )
         elif params.processes_logits or params.logprobs is not None:
             logprobs: list[TokenLogprob] = []
             processor = LogitsProcessor(req, self.grammars)
@@ -164,7 +149,8 @@ class Verifier:
         params, logprobs = req.sampling, []
         seed = None if params.seed is None else params.seed + ACCEPT_SEED_OFFSET
         accept_uniforms = self._stream(self._accept_streams, req.request_id, seed).next(len(uniforms))
-        processor = LogitsProcessor(req, self.grammars) if params.processes_logits or params.logprobs is not None else None
+        processor = (LogitsProcessor(req, self.grammars) if params.processes_logits or params.logprobs is not None
+                     else None)
         processed_rows = []
 
         def target(row: int) -> torch.Tensor:

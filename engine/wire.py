@@ -25,10 +25,13 @@ class SamplingParams(msgspec.Struct, frozen=True):
     ignore_eos: bool = False
     presence_penalty: float = 0.0  # OpenAI: subtracted once from each token already generated
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
-    repetition_penalty: float = 1.0  # CTRL / transformers: logits of prompt or generated tokens divided (>0) or multiplied
+    # CTRL / transformers: logits of prompt or generated tokens divided (>0) or multiplied
+    repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = {}  # token id -> added to its logit
-    logprobs: int | None = None  # None: off; k >= 0: each emitted token's log-probability and its k most likely alternatives
-    grammar: str | None = None  # an llguidance grammar (JSON) every emitted token must follow (structured outputs, tools)
+    # None: off; k >= 0: each emitted token's log-probability and its k most likely alternatives
+    logprobs: int | None = None
+    # an llguidance grammar (JSON) every emitted token must follow (structured outputs, tools)
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -63,7 +66,8 @@ class EngineError(msgspec.Struct):
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
-    """One emitted token's log-probability and its most likely alternatives (engine/logprobs.py says which distribution)."""
+    """One emitted token's log-probability and its most likely alternatives (engine/logprobs.py says which
+    distribution)."""
 
     token_id: int
     logprob: float

@@ -1,21 +1,16 @@
-"""Acceptance estimates for drafted tokens: running statistics per drafter, draft depth and sibling rank,
-blended with the request's own history of that drafter's drafts (a request that drafts from two sources, copying
-and a model under `copyspec+draft`, keeps them apart: a model's rejected drafts say nothing of its copies).
+"""Acceptance estimates for drafted tokens: running statistics per drafter, draft depth and sibling rank, blended
+with the request's own history of that drafter's drafts (a request that drafts from two sources, copying and a model
+under `copyspec+draft`, keeps them apart: a model's rejected drafts say nothing of its copies).
 
-The estimate of a node is the conditional probability that it is accepted given
-that its parent was (verification accepts at most one child of a node).
-
-Statistics learn from the whole draft, verified or not: the tokens a step produced
-(the accepted path, then the target's own next token) are the target's tokens at
-depths 1, 2, ..., so every drafted node whose parent lies on that path is scored
-against the target's token at its depth, whether the planner verified it or not.
-For greedy decoding the score is the acceptance itself; for point-mass drafts under
-sampling it is an unbiased draw of it (the target's token at a depth is its own
-sample, drafted or not; engine/verifier.py). So a drafter whose drafts went
-unverified keeps being measured, and no step has to verify a draft just to learn.
-A drafter that knows better gives its own per-token estimate with the draft
-(`Draft.acceptance`), which is used as it is; other estimators (a companion model,
-say) implement the same `estimate` method.
+The estimate of a node is the conditional probability that it is accepted given that its parent was (verification
+accepts at most one child of a node). Statistics learn from the whole draft, verified or not: the tokens a step
+produces (the accepted path, then the target's own next token) are the target's tokens at depths 1, 2, ..., so every
+drafted node whose parent lies on that path is scored against the target's token at its depth. For greedy decoding
+the score is the acceptance itself; for point-mass drafts under sampling it is an unbiased draw of it (the target's
+token at a depth is its own sample, drafted or not; engine/verifier.py). So a drafter whose drafts go unverified keeps
+being measured, and no step has to verify a draft just to learn. A drafter that knows better gives its own per-token
+estimate with the draft (`Draft.acceptance`), used as it is; other estimators (a companion model, say) implement the
+same `estimate` method.
 """
 from __future__ import annotations
 

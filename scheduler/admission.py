@@ -1,25 +1,17 @@
 """Who runs and what they compute: admission, the token budget's prefill chunks, KV blocks and preemption.
 
-One step, in order of priority:
-1. every running request that is decoding advances by its one uncomputed token;
-2. requests still prefilling (new, or recomputing after preemption) take prefill
-   chunks from the token budget that is left, oldest first;
-3. (scheduler/draft_selection.py) the goodput planner spends what is left on drafted tokens.
+One step, in order of priority: (1) every running request that is decoding advances by its one uncomputed token;
+(2) requests still prefilling (new, or recomputing after preemption) take prefill chunks from the token budget that
+is left, oldest first; (3) the goodput planner (scheduler/draft_selection.py) spends what is left on drafted tokens.
 
-Fairness: waiting requests are admitted strictly first come, first served, so no
-waiting request is ever passed over by a later one; a request that runs out of KV
-blocks takes them from the youngest running request (preempted: its blocks are
-freed and it goes back to the front of the queue to be recomputed), never from an
-older one, so the oldest request always progresses and every request finishes.
-
-The choices of one request (`n`) share its prompt's KV: a later choice waits at the
-head of the queue until the first choice has computed the prompt's full blocks, then
-reads them (it computes only the prompt's last, partial block); if the first choice
-is not running, it computes the prompt itself.
-
-Cached sessions (scheduler/sessions.py) hold the KV blocks of finished turns; they
-always give way: before a request waits for blocks or preempts another, the cache is
-asked to release blocks, least recently used sessions first.
+Fairness: waiting requests are admitted strictly first come, first served, so no waiting request is passed over by a
+later one; a request that runs out of KV blocks takes them from the youngest running request (preempted: its blocks
+are freed and it goes back to the front of the queue to be recomputed), never from an older one, so the oldest
+request always progresses and every request finishes. The choices of one request (`n`) share its prompt's KV: a later
+choice waits at the head of the queue until the first choice has computed the prompt's full blocks, then reads them
+(computing only the prompt's last, partial block); if the first choice is not running, it computes the prompt itself.
+Cached sessions (scheduler/sessions.py) hold the KV blocks of finished turns and always give way: before a request
+waits for blocks or preempts another, the cache releases blocks, least recently used sessions first.
 """
 from __future__ import annotations
 

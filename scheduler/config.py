@@ -23,7 +23,8 @@ class SchedulerConfig:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("max_num_batched_tokens must be at least max_num_seqs: every running request advances each step")
+            raise ValueError("max_num_batched_tokens must be at least max_num_seqs: "
+                             "every running request advances each step")
         if self.max_waiting < 0:
             raise ValueError("max_waiting must not be negative")
         if not 0.0 < self.acceptance_prior < 1.0:

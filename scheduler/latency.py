@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import bisect
 
-OVERHEAD_SMOOTHING = 0.1  # weight of the latest measurement in the running means of what real forwards cost beyond a profile
+# weight of the latest measurement in the running means of what real forwards cost beyond a profile
+OVERHEAD_SMOOTHING = 0.1
 
 
 class LatencyModel:

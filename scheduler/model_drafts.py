@@ -1,45 +1,17 @@
 """Drafting with a model is scheduled work: how many tokens each decoding request drafts next, with its blocks.
 
-Drafting k tokens costs k forwards of the draft model over the batch before the target
-verifies anything, so whether to draft is decided before drafting. Without the goodput
-planner every request drafts k tokens (fixed-k speculative decoding). With it, the batch
-drafts the depth d in 0..k whose expected goodput over the whole next step is best:
-
-    goodput(d) = (E + B (1 + sum_{i<=d} P_i)) / (target(N + B (1 + d)) + d draft(B) + companion(B d)),
-
-where B counts the requests about to draft with the model, P_i is the probability that the
-i-th drafted token is on the accepted path (the product of the acceptance estimates of
-depths 1..i, averaged over them), target(n), draft(n) and companion(n) the latencies of a
-forward over n tokens (the companion, when there is one, scores every drafted token in one
-forward), and N and E the tokens the rest of the batch is expected to have verified and to
-yield (under `copyspec+draft`, the requests CopySpec drafted for, each with the part of its
-draft the planner would verify). The rest matters: the draft model's forwards delay every
-request of the step, and a few uncovered requests beside many copying ones gain too little
-to pay for that (weighing them alone made `copyspec+draft` draft at batch 64 and lose 20 %
-to CopySpec on MT-Redundant).
-
-The latencies are the start-up profiles plus what real steps cost on top of them, as
-measured: the target's step overhead (scheduler/scheduler.py) and the draft's, a running
-mean of the measured drafting time beyond the predicted, per draft forward — at a real
-batch's contexts a forward of the draft costs more than the profile's one request.
-
-Where not even a draft the target always accepted would pay (the draft's forwards priced at
-the start-up profile, or below it if drafting was measured cheaper), the draft stays off
-and is not probed: no acceptance could change that, so measuring it would only cost time.
-
-Otherwise d = 0 turns the draft model off; it then drafts one token anyway (a probe) once
-the steps it stayed off have cost 1/share times that one-token draft, so that its
-acceptance keeps being measured and drafting comes back when it pays again. The share
-starts at EXPLORE_SHARE (a probe every ~25th step for a draft forward that costs half a
-step, every few steps for a cheap one) and halves after every probe that left the draft
-off, down to MIN_EXPLORE_SHARE (every ~250th step for that draft): a draft model that does
-not pay costs ~0.2 % of the time once it has been found out, and one that pays again is
-back within ~250 steps at most. The planner then chooses, as for any draft, which drafted
-tokens are verified.
-
-Positions drafted with the model need KV slots (the draft model writes its KV there):
-the request's blocks are grown to cover them, as far as free blocks allow; the next
-step's update gives back what was not accepted.
+Drafting k tokens costs k draft-model forwards before the target verifies anything, so whether to draft is decided
+first. Without the goodput planner every request drafts k (fixed-k); with it the batch drafts the depth d in 0..k
+with the best expected goodput over the whole next step, since the draft's forwards delay every request of the step:
+    goodput(d) = (E + B (1 + sum_{i<=d} P_i)) / (target(N + B (1 + d)) + d draft(B) + companion(B d))
+B: the requests about to draft with the model; P_i: the probability that the i-th drafted token is on the accepted
+path, averaged over them; target/draft/companion(n): a forward's latency over n tokens, the start-up profile plus the
+overhead real steps show (the target's StepOverhead, the draft's running mean per forward); N, E: the tokens the rest
+of the batch is expected to verify and yield. Where not even a draft the target always accepts would pay, drafting
+stays off unprobed. Otherwise d = 0 turns it off and a one-token probe runs once the steps off have cost 1/share times
+the probe, the share halving from EXPLORE_SHARE to MIN_EXPLORE_SHARE after each probe that leaves it off, so its
+acceptance keeps being measured. Drafted positions need KV slots (the draft model writes its KV there): the request's
+blocks grow to cover them as far as free blocks allow, and the next step's update gives back what is not accepted.
 """
 from __future__ import annotations
 
@@ -96,7 +68,9 @@ class ModelDraftBudget:
         """Per request id, how many tokens it drafts with SOURCE's model next; their KV blocks are reserved. BESIDE: the
         rest of the batch's decoding requests, with the drafts they have."""
         depth = self._depth(reqs, max_tokens, source, beside)
-        allowed = {req.request_id: self._reserve(req, min(depth, draft_depth_limit(req, self.max_model_len))) for req in reqs}
+        allowed = {
+            req.request_id: self._reserve(req, min(depth, draft_depth_limit(req, self.max_model_len))) for req in reqs
+        }
         drafting = [num_tokens for num_tokens in allowed.values() if num_tokens]
         self._drafting = (max(drafting, default=0), len(drafting))
         return allowed
@@ -108,7 +82,9 @@ class ModelDraftBudget:
             error = seconds - self._drafting_seconds(depth, batch)
             self.draft_overhead_seconds += OVERHEAD_SMOOTHING * error / depth
 
-    def _depth(self, reqs: list[Request], max_tokens: int, source: str, beside: Sequence[tuple[Request, Draft]]) -> int:
+    def _depth(
+        self, reqs: list[Request], max_tokens: int, source: str, beside: Sequence[tuple[Request, Draft]]
+    ) -> int:
         if self.target_seconds is None or self.draft_seconds is None or not reqs:
             return max_tokens
         batch = len(reqs)
@@ -119,7 +95,9 @@ class ModelDraftBudget:
         cheapest = self._step_seconds(batch, rest_tokens, min(self.draft_overhead_seconds, 0.0))
         if not best_draft_depth([1.0] * max_tokens, batch, cheapest, rest_expected):
             return 0
-        depth = best_draft_depth(self._mean_path_probabilities(reqs, max_tokens, source), batch, step_seconds, rest_expected)
+        depth = best_draft_depth(
+            self._mean_path_probabilities(reqs, max_tokens, source), batch, step_seconds, rest_expected
+        )
         if depth:
             self.steps_off = self.probes_off = 0
             return depth
@@ -129,12 +107,16 @@ class ModelDraftBudget:
         """A step's predicted seconds by depth when BATCH requests draft that deep beside REST_TOKENS verified for the
         rest of the batch, each draft forward costing DRAFT_OVERHEAD beyond the profile."""
         return lambda depth: (
-            self.target_seconds(rest_tokens + batch * (1 + depth)) + self._drafting_seconds(depth, batch, draft_overhead))
+            self.target_seconds(rest_tokens + batch * (1 + depth))
+            + self._drafting_seconds(depth, batch, draft_overhead)
+        )
 
     def _mean_path_probabilities(self, reqs: list[Request], max_tokens: int, source: str) -> list[float]:
         """[max_tokens] the probability that a drafted token at each depth is on the accepted path, over REQS."""
         probe = Draft([0] * max_tokens, source)
-        by_request = [path_probabilities(PlannedTree(probe.parents, self.estimator.estimate(req, probe))) for req in reqs]
+        by_request = [
+            path_probabilities(PlannedTree(probe.parents, self.estimator.estimate(req, probe))) for req in reqs
+        ]
         return [sum(column) / len(reqs) for column in zip(*by_request)]
 
     def _probe_depth(self, step_seconds: float, probe_seconds: float) -> int:

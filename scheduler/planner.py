@@ -1,21 +1,16 @@
 """Goodput planner: which drafted tokens to verify (Speculative Verification, §5, applied to tree nodes).
 
-A draft is a tree (drafters/tree.py). With a_n the conditional acceptance of node n
-(given its parent was accepted), the node lies on the accepted path with probability
-P(n) = a_n * P(parent), and verifying a rooted subtree S yields sum_{n in S} P(n)
-accepted tokens in expectation beyond the one token every request gets: at most one
-child of a node is accepted, so the events add up. Over a batch, the planner starts
-from the tokens every request must process (its prefill chunk, or its last token),
-then adds drafted nodes one at a time, always the one — from any request, among
-the children of the root and of nodes already chosen — with the largest P(n), and
-keeps the prefix of that order whose goodput (expected tokens per second of forward
-latency) is highest. SV stops at the first decline, assuming goodput is concave;
-taking the best prefix gives the same answer then and stays right when a noisy
-latency profile is not concave. A chain is the tree whose every node has one child.
-
-A node whose parent already has a chosen child opens a new root-to-leaf path, which
-costs its request `path_seconds` on top of the token count's latency (each path reads
-the request's context again: scheduler/latency.py); trees are priced by their paths.
+A draft is a tree (drafters/tree.py). With a_n the conditional acceptance of node n (given its parent is accepted),
+the node lies on the accepted path with probability P(n) = a_n * P(parent), and verifying a rooted subtree S yields
+sum_{n in S} P(n) accepted tokens in expectation beyond the one token every request gets: at most one child of a node
+is accepted, so the events add up. Over a batch, the planner starts from the tokens every request must process (its
+prefill chunk, or its last token), then adds drafted nodes one at a time, always the one (from any request, among the
+children of the root and of nodes already chosen) with the largest P(n), and keeps the prefix of that order whose
+goodput (expected tokens per second of forward latency) is highest. SV stops at the first decline, assuming goodput is
+concave; taking the best prefix gives the same answer then and stays right when a noisy latency profile is not
+concave. A chain is the tree whose every node has one child. A node whose parent already has a chosen child opens a
+new root-to-leaf path, which costs its request `path_seconds` on top of the token count's latency (each path reads the
+request's context again: scheduler/latency.py); trees are priced by their paths.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scheduler.request import Request
+    from scheduler.request import Request  # type-only: scheduler.request imports this module (an import circle)
 
 
 @dataclass
@@ -22,7 +22,8 @@ class ScheduledRequest:
     block_table: list[int]  # the request's KV blocks; KV index i lives in block_table[i // block_size]
     reaches_end: bool = True  # False for a prefill chunk that stops short of the request's last token
     draft_nodes: list[int] = field(default_factory=list)  # [num_draft] indices into req.draft of the verified nodes
-    draft_parents: list[int] = field(default_factory=list)  # [num_draft] parent of each within the selection, -1 = last token
+    # [num_draft] parent of each within the selection, -1 = last token
+    draft_parents: list[int] = field(default_factory=list)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -69,7 +70,8 @@ class Verification:
     """What verifying one scheduled request produced."""
 
     token_ids: list[int]  # accepted draft tokens, then the one token the target chose after them ([] short of the end)
-    accepted_nodes: list[int] = field(default_factory=list)  # [num accepted] indices into the item's draft selection, root first
+    # [num accepted] indices into the item's draft selection, root first
+    accepted_nodes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -92,7 +94,8 @@ class DraftStepStats:
     num_drafts: int = 0  # requests that verified at least one of its drafted tokens
     num_draft_tokens: int = 0  # its drafted tokens that were verified
     num_accepted_tokens: int = 0
-    num_accepted_per_position: list[int] = field(default_factory=list)  # [max depth] accepted tokens at draft depth i + 1
+    # [max depth] accepted tokens at draft depth i + 1
+    num_accepted_per_position: list[int] = field(default_factory=list)
     num_accepted_per_rank: list[int] = field(default_factory=list)  # [max rank] accepted tokens of sibling rank i
 
 

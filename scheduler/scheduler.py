@@ -50,7 +50,8 @@ class Scheduler:
         self.step_overhead = StepOverhead()  # measured step time minus the profiled forward time, by batch size
         planned = bool(latency and config.use_goodput_planner)
         self.model_drafts = ModelDraftBudget(
-            self.estimator, blocks, max_model_len, self._step_seconds if planned else None, draft_latency, companion_latency,
+            self.estimator, blocks, max_model_len, self._step_seconds if planned else None, draft_latency,
+            companion_latency,
         )
 
     @property

@@ -1,29 +1,18 @@
 """Session caches: which KV blocks a conversation's next turn reuses, and which cached sessions give way.
 
-A session keeps, from its last finished turn:
-- the exact token history: the prompt as the engine received it and the output as
-  generated (not as a chat template would re-render it);
-- references to the KV blocks of the history's full blocks, so that the next turn's
-  prefill starts after the longest prefix it shares with the history.
+A session keeps, from its last finished turn, the exact token history (the prompt as the engine received it and the
+output as generated, not as a chat template would re-render it) and references to the KV blocks of the history's full
+blocks, so that the next turn's prefill starts after the longest prefix it shares with the history. The engine, which
+runs the drafters, keeps the drafter's state at the end of a turn (the CopySpec index, say) under the session's key:
+`attach` says which key a new turn resumes, `end` which key a finished turn updated, `take_evicted_keys` which are gone.
 
-The drafter's state at the end of a turn (the CopySpec index, say) is kept by the
-engine, which runs the drafters, under the session's key: `attach` says which key a
-new turn resumes, `end` which key a finished turn updated, and `take_evicted_keys`
-which sessions are gone.
-
-A request names its session (`session_id`) or, in implicit mode, is matched to the
-session that holds its longest cached prefix, found by chaining hashes of full
-blocks as prefix caching does. Sessions live in the KV pool's memory and always give
-way to requests: the scheduler reclaims their blocks, least recently used first,
-before a request waits or is preempted; a TTL and a cap on their number bound them
-too. A request holds its own references to the blocks it reads, so evicting its
-session never breaks it.
-
-Isolation: a request's drafter resumes a session's state only when the request
-continues that conversation: it names the session, or (implicitly) its prompt holds
-the session's whole previous prompt. A request that shares only a prefix with
-another conversation (a common system prompt, say) reuses that prefix's KV, which
-is the same for the same tokens, but its drafter starts afresh.
+A request names its session (`session_id`) or, in implicit mode, is matched to the session that holds its longest
+cached prefix, found by chaining hashes of full blocks as prefix caching does. Sessions live in the KV pool's memory and
+always give way to requests: the scheduler reclaims their blocks, least recently used first, before a request waits or
+is preempted; a TTL and a cap on their number bound them too. A request holds its own references to the blocks it
+reads, so evicting its session never breaks it. A request's drafter resumes a session's state only when the request
+continues that conversation (names it, or its prompt holds the session's whole previous prompt); sharing only a prefix
+(a common system prompt) reuses that prefix's KV, but the drafter starts afresh.
 """
 from __future__ import annotations
 
@@ -68,7 +57,9 @@ class SessionStats:
 
 
 class SessionStore:
-    def __init__(self, config: SessionConfig, blocks: KVBlockManager, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, config: SessionConfig, blocks: KVBlockManager, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config
         self.blocks = blocks
         self.clock = clock  # seconds
@@ -121,7 +112,9 @@ class SessionStore:
 
     def _share_prefix(self, req: Request, session: Session, num_common: int) -> None:
         """The request reads the session's blocks of their common prefix; its last prompt token is always computed."""
-        num_blocks = min(min(num_common, len(req.prompt_token_ids) - 1) // self.blocks.block_size, len(session.block_ids))
+        num_blocks = min(
+            min(num_common, len(req.prompt_token_ids) - 1) // self.blocks.block_size, len(session.block_ids)
+        )
         if num_blocks:
             self.blocks.share(req.request_id, session.block_ids[:num_blocks])
             req.num_computed_tokens = req.num_cached_tokens = num_blocks * self.blocks.block_size
@@ -159,7 +152,9 @@ class SessionStore:
         session.token_ids = list(req.all_token_ids)
         session.num_prompt_tokens = req.num_prompt_tokens
         session.block_ids = kept
-        session.block_hashes = chained_block_hashes(session.token_ids[:num_blocks * self.blocks.block_size], self.blocks.block_size)
+        session.block_hashes = chained_block_hashes(
+            session.token_ids[:num_blocks * self.blocks.block_size], self.blocks.block_size
+        )
         for block_hash in session.block_hashes:
             self._keys_by_hash.setdefault(block_hash, set()).add(key)
         self._touch(session)

@@ -9,8 +9,6 @@ from typing import Any
 
 from fastapi import FastAPI
 
-logger = logging.getLogger("specserve.server")
-
 from server.config import Config
 from server.engine_client import EngineClient
 from server.errors import install_error_handlers
@@ -18,6 +16,8 @@ from server.openapi import document_request_bodies
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.router import api_router, router
 from server.serving import ServingContext
+
+logger = logging.getLogger("specserve.server")
 
 
 def build_app(config: Config, engine: EngineClient, tokenizer: Any) -> FastAPI:

@@ -20,7 +20,9 @@ from server.metrics import ServerMetrics
 
 def add_engine_flags(parser: argparse.ArgumentParser, with_drafter: bool = False) -> None:
     """The engine's flags; `--drafter` only where the command serves one drafter (bench and calibrate choose)."""
-    add_config_flags(parser, EngineConfig, skip=() if with_drafter else ("drafter",), choices={"drafter": DRAFTER_NAMES})
+    add_config_flags(
+        parser, EngineConfig, skip=() if with_drafter else ("drafter",), choices={"drafter": DRAFTER_NAMES}
+    )
 
 
 def engine_config(args: argparse.Namespace, drafter: str | None = None) -> EngineConfig:

@@ -64,7 +64,9 @@ class CompletionFormatter:
     def delta_chunk(self, index: int, delta: Delta) -> CompletionResponse:
         offset = self._text_offsets.get(index, 0)
         self._text_offsets[index] = offset + len(delta.text)
-        return self._object([CompletionChoice(index=index, text=delta.text, logprobs=self._shaped(delta.logprobs, offset))])
+        return self._object(
+            [CompletionChoice(index=index, text=delta.text, logprobs=self._shaped(delta.logprobs, offset))]
+        )
 
     def finish_chunk(self, index: int, finish_reason: str, spec: SpecStatsInfo) -> CompletionResponse:
         return self._object([CompletionChoice(index=index, text="", finish_reason=finish_reason)], spec_stats=spec)

@@ -20,7 +20,8 @@ class ServerConfig:
         "seconds an engine may take to load before it counts as failed (raise it for large models)")})
     engine_max_restarts: int = field(default=5, metadata={
         "help": "engine restarts allowed within --engine-restart-window; one more death and the server exits 1"})
-    engine_restart_window_s: float = field(default=600.0, metadata={"flag": "--engine-restart-window", "help": "seconds"})
+    engine_restart_window_s: float = field(
+        default=600.0, metadata={"flag": "--engine-restart-window", "help": "seconds"})
     engine_stall_timeout_s: float = field(default=120.0, metadata={"flag": "--engine-stall-timeout", "help": (
         "seconds an engine with requests in flight may send nothing before it is treated as dead")})
     drain_timeout_s: float = field(default=30.0, metadata={"flag": "--drain-timeout", "help": (

@@ -56,7 +56,8 @@ class EngineProcess:
         self._from_engine = self._async_context.socket(zmq.PULL)
         self._from_engine.bind(output_address)
         self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process, args=(config, input_address, output_address), daemon=True, name="specserve-engine"
+            target=run_engine_process, args=(config, input_address, output_address), daemon=True,
+            name="specserve-engine",
         )
         self.dead = False  # the client has seen it die (or stopped it)
         self.reader: asyncio.Task | None = None  # the client's task reading its outputs
@@ -173,8 +174,9 @@ class EngineClient:
             engine.kill()
 
     def _on_process_exit(self, engine: EngineProcess) -> None:
-        engine.process.join(timeout=1)  # reaps it, so that its exit code is known (its sentinel may close a moment
-        # before the kernel lets it be reaped: a non-blocking poll then found no exit code, 1 run in 3)
+        # Reap it, so that its exit code is known: its sentinel may close a moment before the kernel lets it be
+        # reaped, and a non-blocking poll would then find no exit code.
+        engine.process.join(timeout=1)
         self._on_death(engine, exit_reason(engine.process.exitcode))
 
     def _on_death(self, engine: EngineProcess, reason: str) -> None:
@@ -227,7 +229,9 @@ class EngineClient:
             await asyncio.sleep(min(1.0, bound / 4))
             quiet = time.monotonic() - self._last_progress
             if self.healthy and self._queues and quiet > bound:
-                self._on_death(self._engine, f"wedged: no output for {quiet:.0f} s with {len(self._queues)} requests in flight")
+                self._on_death(
+                    self._engine, f"wedged: no output for {quiet:.0f} s with {len(self._queues)} requests in flight"
+                )
                 self._engine.kill()
 
     def _spawn(self, coroutine) -> asyncio.Task:

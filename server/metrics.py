@@ -44,14 +44,17 @@ class ServerMetrics:
         self.engine_healthy = self._gauge("engine_healthy", "1 while the engine process is ready and alive")
         self.engine_restarts = self._counter("engine_restarts_total", "Engine processes started again after one died")
         self.engine_deaths = self._counter(
-            "engine_deaths_total", "Engine processes that died, by cause (error, signal, exit, wedged, start_timeout)", ("cause",)
+            "engine_deaths_total", "Engine processes that died, by cause (error, signal, exit, wedged, start_timeout)",
+            ("cause",),
         )
         self.ttft = self._histogram("time_to_first_token_seconds", "Seconds from submission to the first token")
         self.itl = self._histogram("inter_token_latency_seconds", "Seconds between consecutive output tokens")
         self.e2e = self._histogram("e2e_request_latency_seconds", "Seconds from submission to the last token")
         self.prompt_tokens = self._counter("prompt_tokens_total", "Prompt tokens of finished requests")
         self.generation_tokens = self._counter("generation_tokens_total", "Generated tokens")
-        self.requests = self._counter("request_success_total", "Finished requests by finish reason", ("finished_reason",))
+        self.requests = self._counter(
+            "request_success_total", "Finished requests by finish reason", ("finished_reason",)
+        )
         self.step_seconds = self._histogram("engine_step_seconds", "Seconds per engine step")
         self.kv_cache_usage = self._gauge("kv_cache_usage_perc", "Fraction (0 to 1) of the paged KV pool in use")
         self.preemptions = self._counter("num_preemptions_total", "Running requests sent back to the queue")
@@ -62,38 +65,49 @@ class ServerMetrics:
         self.num_draft_tokens = self._counter("spec_decode_num_draft_tokens_total", "Drafted tokens verified", d)
         self.num_accepted = self._counter("spec_decode_num_accepted_tokens_total", "Drafted tokens accepted", d)
         self.accepted_per_pos = self._counter(
-            "spec_decode_num_accepted_tokens_per_pos_total", "Accepted drafted tokens by draft position", ("drafter", "position")
+            "spec_decode_num_accepted_tokens_per_pos_total", "Accepted drafted tokens by draft position",
+            ("drafter", "position"),
         )
         self.offered = self._counter("spec_decode_num_offered_tokens_total", "Drafted tokens the drafters proposed")
-        self.verified = self._counter("spec_decode_num_verified_tokens_total", "Drafted tokens the planner sent to verification")
-        self.planned_tokens = self._counter("planner_expected_tokens_total", "Tokens the goodput planner expected its steps to yield")
-        self.planned_seconds = self._counter("planner_predicted_seconds_total", "Forward seconds the latency model predicted")
+        self.verified = self._counter(
+            "spec_decode_num_verified_tokens_total", "Drafted tokens the planner sent to verification"
+        )
+        self.planned_tokens = self._counter(
+            "planner_expected_tokens_total", "Tokens the goodput planner expected its steps to yield"
+        )
+        self.planned_seconds = self._counter(
+            "planner_predicted_seconds_total", "Forward seconds the latency model predicted"
+        )
         self.step_tokens = self._counter("engine_step_tokens_total", "Tokens the engine's steps yielded")
 
     def _define_session_metrics(self) -> None:
         self.session_hits = self._counter("session_cache_hits_total", "Requests that found their session cached")
         self.session_misses = self._counter("session_cache_misses_total", "Requests that found no cached session")
         self.session_reused_tokens = self._counter(
-            "session_cache_reused_prefix_tokens_total", "Prompt tokens whose KV came from a cached session (prefill saved)"
+            "session_cache_reused_prefix_tokens_total",
+            "Prompt tokens whose KV came from a cached session (prefill saved)",
         )
         self.session_evictions = self._counter("session_cache_evictions_total", "Cached sessions evicted")
         self.num_sessions = self._gauge("session_cache_num_sessions", "Sessions held in the session cache")
         self.drafter_state_bytes = self._gauge(
-            "drafter_state_bytes", "Memory of drafter states (hidden states, indexes) of live requests and cached sessions"
+            "drafter_state_bytes",
+            "Memory of drafter states (hidden states, indexes) of live requests and cached sessions",
         )
         self.session_host_bytes = self._gauge(
-            "session_host_bytes", "Host memory of cached sessions: token histories, block lists and their drafter states"
+            "session_host_bytes",
+            "Host memory of cached sessions: token histories, block lists and their drafter states",
         )
 
     def _export_zero_series(self) -> None:
         """Create every series that has no label besides model_name, so it exports 0 from the start."""
         m = self.model_name
         for metric in (
-            self.num_requests_running, self.num_requests_waiting, self.engine_healthy, self.engine_restarts, self.kv_cache_usage,
-            self.preemptions, self.ttft, self.itl, self.e2e, self.step_seconds, self.prompt_tokens, self.generation_tokens,
+            self.num_requests_running, self.num_requests_waiting, self.engine_healthy, self.engine_restarts,
+            self.kv_cache_usage, self.preemptions, self.ttft, self.itl, self.e2e, self.step_seconds,
+            self.prompt_tokens, self.generation_tokens,
             self.offered, self.verified, self.planned_tokens, self.planned_seconds, self.step_tokens,
-            self.session_hits, self.session_misses, self.session_reused_tokens, self.session_evictions, self.num_sessions,
-            self.drafter_state_bytes, self.session_host_bytes,
+            self.session_hits, self.session_misses, self.session_reused_tokens, self.session_evictions,
+            self.num_sessions, self.drafter_state_bytes, self.session_host_bytes,
         ):
             metric.labels(m)
 

@@ -76,7 +76,8 @@ class SamplingFields(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(1, ge=1)  # choices; the server's --max-choices bounds it
-    session_id: str | None = Field(None, min_length=1, max_length=MAX_SESSION_ID_LENGTH)  # extension: names the conversation
+    # extension: names the conversation
+    session_id: str | None = Field(None, min_length=1, max_length=MAX_SESSION_ID_LENGTH)
     ignore_eos: bool = False  # extension: keep generating past EOS (benchmarks)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)

@@ -1,24 +1,18 @@
 """Tool calls for POST /v1/chat/completions: rendered into the prompt, parsed out of the reply, forced by a grammar.
 
-One format, Hermes / Qwen2.5 (what most open chat models are tuned on):
+One format, Hermes / Qwen2.5 (what most open chat models are tuned on): the offered tools are listed, as OpenAI
+tool JSON, inside `<tools></tools>` in a system-message section that asks for `<tool_call>` blocks; a call is
+`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, several calls being blocks separated by newlines; a
+tool's result comes back as a user turn holding `<tool_response>\\n...\\n</tool_response>` (consecutive tool
+messages share one turn).
 
-- the offered tools are listed, as OpenAI tool JSON, inside `<tools></tools>` in a
-  system-message section that asks for `<tool_call>` blocks;
-- a call is `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, several calls
-  are blocks separated by newlines;
-- a tool's result comes back as a user turn holding `<tool_response>\\n...\\n</tool_response>`
-  (consecutive tool messages share one turn).
-
-Rendering prefers the model's own template: when it references `tools` (Qwen2.5,
-Hermes, Llama 3.1 ...), the messages and tools go to `apply_chat_template` in the
-transformers shape and the template decides the format. Otherwise (the default
-SmolLM2 ChatML template knows nothing of tools) the conversation is rewritten into
-plain messages in the Hermes format above. Either way the reply is parsed for
-Hermes `<tool_call>` JSON blocks only.
-
-tool_choice "required" or a named function is enforced, not requested: an llguidance
-grammar (the engine masks every position with it, drafted ones included) admits only
-`<tool_call>` blocks of the allowed functions whose arguments follow their schemas.
+Rendering prefers the model's own template: when it references `tools` (Qwen2.5, Hermes, Llama 3.1 ...), the
+messages and tools go to `apply_chat_template` in the transformers shape and the template decides the format.
+Otherwise (the default SmolLM2 ChatML template knows nothing of tools) the conversation is rewritten into plain
+messages in the Hermes format. Either way the reply is parsed for Hermes `<tool_call>` JSON blocks only.
+tool_choice "required" or a named function is enforced, not requested: an llguidance grammar (the engine masks every
+position with it, drafted ones included) admits only `<tool_call>` blocks of the allowed functions whose arguments
+follow their schemas.
 """
 from __future__ import annotations
 

@@ -13,12 +13,17 @@ from transformers import LlamaConfig, LlamaForCausalLM
 TINY_VOCAB = 48
 REPO = Path(__file__).resolve().parent.parent
 TEST_DATA_DIR = REPO / "tests" / "data"  # conversations and prompts written for the tests, in the real sets' formats
-OUTSIDE_DATA = (str(REPO.parent / "shared"), str(REPO / "shared"))  # where the benchmark data lives on the project's machines
+# where the benchmark data lives on the project's machines
+OUTSIDE_DATA = (str(REPO.parent / "shared"), str(REPO / "shared"))
 
 
 def _refuse_outside_data(event: str, args: tuple) -> None:
     """An audit hook: opening or listing anything under shared/ fails the test that does it."""
-    if event not in ("open", "os.listdir", "os.scandir") or not args or not isinstance(args[0], (str, bytes, os.PathLike)):
+    if (
+        event not in ("open", "os.listdir", "os.scandir")
+        or not args
+        or not isinstance(args[0], (str, bytes, os.PathLike))
+    ):
         return
     path = os.path.abspath(os.fsdecode(args[0]))
     if any(path == root or path.startswith(root + os.sep) for root in OUTSIDE_DATA):
@@ -64,4 +69,6 @@ def tiny_draft_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_other_vocab_dir(tmp_path_factory) -> str:
     """A tiny model whose vocabulary is not the tiny model's."""
-    return _save_tiny_llama(tmp_path_factory.mktemp("tiny-other-vocab"), seed=7, vocab_size=TINY_VOCAB + 16, num_layers=1)
+    return _save_tiny_llama(
+        tmp_path_factory.mktemp("tiny-other-vocab"), seed=7, vocab_size=TINY_VOCAB + 16, num_layers=1
+    )

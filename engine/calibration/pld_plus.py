@@ -1,22 +1,16 @@
 """PLD+ calibration, once per served model: which layer's hidden states and which attention heads rank copy sources.
 
-The model answers a handful of prompts written for this (engine/calibration/prompts.py;
-none is from a benchmark set), greedily. One plain forward over each prompt plus its
-answer gives every layer's hidden states and every head's attention. Then, offline:
-
-- heads (PLD+ §4.2.1): for each answer token that also occurs in the prompt, the source
-  r* is its occurrence in the prompt with the longest suffix shared with the text so
-  far; a head scores when its attention from the position that produced the token
-  peaks, over all keys, at r* (NOTES.md: argmax over all keys; rank by hits over
-  opportunities);
-- every ranking is replayed where the answer's last token occurred before: the
-  candidate it picks is scored by how many of the tokens after it the answer repeats
-  (up to SCORE_TOKENS), as a draft would be accepted. The layer with the best mean for
-  PLD+(h) is kept; for PLD+(a), the fewest heads (of HEAD_COUNTS) whose mean is within
-  HEAD_TOLERANCE of the best count's, since every captured head is recomputed at every
-  step (on the embedded model all 270 heads scored 1% above 20). The better of the two
-  variants becomes the default ranking.
-
+The model answers a handful of prompts written for this (engine/calibration/prompts.py; none is from a benchmark set),
+greedily. One plain forward over each prompt plus its answer gives every layer's hidden states and every head's
+attention. Then, offline:
+- heads (PLD+ §4.2.1): for each answer token that also occurs in the prompt, the source r* is its occurrence in the
+  prompt with the longest suffix shared with the text so far; a head scores when its attention from the position that
+  produced the token peaks, over all keys, at r* (our reading of the paper: argmax over all keys; heads ranked by hits
+  over opportunities);
+- every ranking is replayed where the answer's last token occurred before: the candidate it picks is scored by how
+  many of the tokens after it the answer repeats (up to SCORE_TOKENS), as a draft would be accepted. The layer with the
+  best mean for PLD+(h) is kept; for PLD+(a), the fewest heads (of HEAD_COUNTS) whose mean is within HEAD_TOLERANCE of
+  the best count's, since every captured head is recomputed at every step. The better variant becomes the default.
 The result is a small JSON file in the cache folder, named by the weights' fingerprint.
 """
 from __future__ import annotations
@@ -144,7 +138,9 @@ def calibrate(traces: list[Traced]) -> PldPlusCalibration:
     layer_scores = {layer: score(traces, by_hidden(layer)) for layer in range(1, num_states - 1)}
     best_layer = max(layer_scores, key=layer_scores.get)
     rates = head_hit_rates(traces)
-    ranked = [[int(i // rates.shape[1]), int(i % rates.shape[1])] for i in torch.argsort(rates.flatten(), descending=True)]
+    ranked = [
+        [int(i // rates.shape[1]), int(i % rates.shape[1])] for i in torch.argsort(rates.flatten(), descending=True)
+    ]
     head_scores = {count: score(traces, by_attention(ranked[:count] if count else ranked)) for count in HEAD_COUNTS}
     best_count = cheapest_head_count(head_scores)
     heads = ranked[:best_count] if best_count else ranked
@@ -163,7 +159,9 @@ def run_calibration(config, prompts: list[list[int]], max_tokens: int) -> tuple[
     engine = Engine(replace(config, spec=replace(config.spec, drafter="none")))
     answers: dict[str, list[int]] = {}
     for i, prompt in enumerate(prompts):
-        engine.add_request(EngineRequest(f"calibrate-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens)))
+        engine.add_request(
+            EngineRequest(f"calibrate-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        )
     while engine.has_work:
         for output in engine.step().outputs:
             answers.setdefault(output.request_id, []).extend(output.new_token_ids)

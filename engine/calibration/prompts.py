@@ -11,13 +11,13 @@ def chat_prompt_ids(tokenizer, texts: tuple[str, ...]) -> list[list[int]]:
 
 
 CALIBRATION_PROMPTS = (
-    "Rewrite this note so that it sounds polite, keeping every fact:\n\nThe printer on the third floor is broken again. "
-    "Somebody jammed it with thick paper on Monday. Use the one in the kitchen until the technician comes on Thursday "
-    "morning. Do not try to fix it yourself, the last person who did that broke the tray.",
-    "Summarise the following report in three sentences:\n\nThe town library opened a new reading room in March. The room "
-    "has twenty desks, a small stage for readings and a corner with picture books for young children. Visitors doubled "
-    "in the first month, mostly on weekday afternoons. The library plans to extend its opening hours on Saturdays and to "
-    "hire two more staff members before the summer holidays.",
+    "Rewrite this note so that it sounds polite, keeping every fact:\n\nThe printer on the third floor is broken "
+    "again. Somebody jammed it with thick paper on Monday. Use the one in the kitchen until the technician comes on "
+    "Thursday morning. Do not try to fix it yourself, the last person who did that broke the tray.",
+    "Summarise the following report in three sentences:\n\nThe town library opened a new reading room in March. "
+    "The room has twenty desks, a small stage for readings and a corner with picture books for young children. "
+    "Visitors doubled in the first month, mostly on weekday afternoons. The library plans to extend its opening hours "
+    "on Saturdays and to hire two more staff members before the summer holidays.",
     "Add type hints and a docstring to this Python function, and return the whole function:\n\n"
     "def average_speed(distances, times):\n    total_distance = sum(distances)\n    total_time = sum(times)\n"
     "    if total_time == 0:\n        return 0\n    return total_distance / total_time\n",
@@ -25,8 +25,8 @@ CALIBRATION_PROMPTS = (
     "wensday at ten oclock in the big confrence room. Please bring your laptop and the weekly numbers. If you can not "
     "come, send a short messege to the team leader before the meeting starts.",
     "Read the recipe and list the ingredients with their amounts:\n\nMix 200 grams of flour with two eggs and 300 "
-    "millilitres of milk. Add a pinch of salt and one spoon of melted butter. Let the batter rest for ten minutes, then "
-    "cook thin pancakes in a hot pan, one ladle at a time.",
+    "millilitres of milk. Add a pinch of salt and one spoon of melted butter. Let the batter rest for ten minutes, "
+    "then cook thin pancakes in a hot pan, one ladle at a time.",
     "Change every name in this story from Anna to Maria and return the whole story:\n\nAnna walked to the station "
     "early. Anna had packed a small bag with a book and an apple. When the train arrived, Anna found a seat by the "
     "window and watched the fields go by until Anna fell asleep.",

@@ -1,24 +1,18 @@
 """The companion estimator of Speculative Verification (SV, §4): what each model-drafted token is worth.
 
-After drafting, a companion model c (an early exit of the target, or a small model of its
-vocabulary) scores the drafted tokens. Per token x with draft distribution q:
+After drafting, a companion model c (an early exit of the target, or a small model of its vocabulary) scores the
+drafted tokens. Per token x with draft distribution q:
     S = sum_v min(q(v), c(v))       the draft-companion overlap (1 - total variation),
     A = min(1, c(x) / q(x))         x's acceptance if the companion were the target.
-The estimate of x's acceptance (given its parent's) is a table over equal-frequency bins
-of S (SV: 10-30) and of A (SV: 10-20), each cell the mean expected acceptance
-min(1, p(x)/q(x)) of the profiling run's tokens in it (NOTES: lower variance than 0/1
-outcomes), shrunk toward the whole table's mean where a cell holds few tokens, and
-updated online with observed outcomes.
-
-Profiling (`specserve calibrate sv`): teacher-forced, on prompts of no benchmark set
-(engine/calibration/prompts.py: the PLD+ prompts and short chat prompts). The target
-answers each prompt; at every answer position the target, draft and companion
-distributions follow one forward each over prompt + answer, and a drafted token is
-drawn from q (temperature 1) or taken as q's argmax (greedy). Given an accepted prefix
-a drafted token sees exactly the target's context, so each position is one token of
-plain speculative decoding. Chosen here: one table per (target, draft, companion) and
-decoding mode, kept in the model cache directory; the depth is not a table dimension
-(SV's table has none), and the shrinkage weight is SHRINK_WEIGHT tokens.
+The estimate of x's acceptance (given its parent's) is a table over equal-frequency bins of S (SV: 10-30) and of A
+(SV: 10-20), each cell the mean expected acceptance min(1, p(x)/q(x)) of the profiling run's tokens in it (lower
+variance than 0/1 outcomes), shrunk toward the table's mean where a cell holds few tokens (SHRINK_WEIGHT tokens), and
+updated online with observed outcomes. One table per (target, draft, companion) and decoding mode, in the model cache
+directory; depth is not a table dimension (SV's table has none).
+Profiling (`specserve calibrate sv`) is teacher-forced on prompts of no benchmark set (engine/calibration/prompts.py):
+the target answers each prompt; one forward each of target, draft and companion over prompt + answer gives every
+position's distributions, and a drafted token is drawn from q (temperature 1) or is q's argmax (greedy). Given an
+accepted prefix a drafted token sees exactly the target's context, so each position is one token of plain speculation.
 """
 from __future__ import annotations
 
@@ -85,7 +79,8 @@ def teacher_forced_tokens(target, draft, companion, prompt: list[int], answer: l
     tokens = q.argmax(-1) if params.greedy else torch.multinomial(q, 1, generator=generator)[:, 0]
     s, a = overlap_and_acceptance(q, c, tokens)
     picked = torch.arange(len(tokens))
-    accepted = (p.argmax(-1) == tokens).float() if params.greedy else (p[picked, tokens] / q[picked, tokens]).clamp(max=1.0)
+    accepted = ((p.argmax(-1) == tokens).float() if params.greedy
+                else (p[picked, tokens] / q[picked, tokens]).clamp(max=1.0))
     return {"S": s, "A": a, "accepted": accepted}
 
 
@@ -109,7 +104,9 @@ def plain_attention(models: tuple[torch.nn.Module, ...]):
             model.set_attn_implementation(implementation)
 
 
-def calibrate_sv(engine, prompts: list[list[int]], max_tokens: int, greedy: bool, seed: int = 0) -> tuple[SvTable, dict]:
+def calibrate_sv(
+    engine, prompts: list[list[int]], max_tokens: int, greedy: bool, seed: int = 0
+) -> tuple[SvTable, dict]:
     """Answer PROMPTS with ENGINE's target, profile SV's observations on them, and fit the table; the report holds
     each estimator's Brier score and the information-gain table on the odd prompts, with the table fitted on the
     even ones (the saved table is fitted on all)."""
@@ -129,7 +126,9 @@ def calibrate_sv(engine, prompts: list[list[int]], max_tokens: int, greedy: bool
     half_table = SvTable.fit(fit_half["S"], fit_half["A"], fit_half["accepted"])
     report = evaluate(half_table, test_half, generator)
     everything = _joined(observed)
-    return SvTable.fit(everything["S"], everything["A"], everything["accepted"], {"greedy": greedy, "num_tokens": len(everything["S"])}), report
+    return SvTable.fit(
+        everything["S"], everything["A"], everything["accepted"], {"greedy": greedy, "num_tokens": len(everything["S"])}
+    ), report
 
 
 def evaluate(table: SvTable, observed: dict, generator: torch.Generator) -> dict:
@@ -142,7 +141,8 @@ def evaluate(table: SvTable, observed: dict, generator: torch.Generator) -> dict
     return {
         "num_tokens": len(accepted),
         "brier_companion": brier(estimates, accepted), "brier_statistical": brier(statistical, accepted),
-        "brier_companion_vs_outcomes": brier(estimates, draws), "brier_statistical_vs_outcomes": brier(statistical, draws),
+        "brier_companion_vs_outcomes": brier(estimates, draws),
+        "brier_statistical_vs_outcomes": brier(statistical, draws),
         "information_gain": information_gain_table(accepted, observed["S"], observed["A"], table),
     }
 
@@ -161,7 +161,9 @@ def write_sv_tables(config: EngineConfig, options: CalibrationOptions) -> None:
     fingerprints = sv_fingerprints(engine.model_fingerprint, engine.draft_forward, engine.companion_forward)
     reports = {}
     for greedy in (True, False):
-        table, reports["greedy" if greedy else "sampled"] = calibrate_sv(engine, prompts, options.max_new_tokens, greedy)
+        table, reports["greedy" if greedy else "sampled"] = calibrate_sv(
+            engine, prompts, options.max_new_tokens, greedy
+        )
         path = sv_table_path(engine.cache_dir, fingerprints, greedy)
         table.save(path)
         print(f"SV table ({'greedy' if greedy else 'sampled'}, {table.meta['num_tokens']} tokens) saved to {path}")

@@ -1,22 +1,18 @@
 """Where each sequence's queries and keys sit for one packed forward, and what each query may see.
 
-Built once per step by the runner (engine/model/packed_runner.py) from the forward items,
-read by every layer's attention (engine/model/paged_attention.py).
+Built once per step by the runner (engine/model/packed_runner.py) from the forward items, read by every layer's
+attention (engine/model/paged_attention.py). A sequence's keys are its KV indices 0 .. L-1 (cached, then new). Its new
+token i sees every cached key and, among the new ones, itself and its ancestors: all the tokens before it for a
+causal chain, its tree path for a tree.
 
-A sequence's keys are its KV indices 0 .. L-1 (cached, then new). Its new token i
-sees every cached key and, among the new ones, itself and its ancestors: all the
-tokens before it for a causal chain, its tree path for a tree.
-
-Where attention skips masked keys (the CPU row kernel, engine/model/csrc/row_attention.cpp) a
-tree is attended in place: one sequence, its new tokens' keys where the block table puts
-them, each row masked to the cached keys and its ancestors; a row's allowed keys are then
-the same keys in the same order as in its path drafted as a chain, so it gets the same bits.
-Elsewhere a tree is attended as the chains of its root-to-leaf paths (`tree_paths`): each
-path's keys are the cached ones followed by its own nodes' keys, in order, so that a node's
-attention is computed exactly as if its path had been drafted as a chain (masking the other
-branches' keys in place would move the path's terms along the keys, and a float32 matmul's
-sum depends on where its terms sit: measured, about 1 row in 12 differed in its last bits).
-Each node is computed once, in the first path that holds it; every path re-reads the context.
+Where attention skips masked keys (the CPU row kernel, engine/model/csrc/row_attention.cpp) a tree is attended in
+place: one sequence, its new tokens' keys where the block table puts them, each row masked to the cached keys and its
+ancestors; a row's allowed keys are then the same keys in the same order as in its path drafted as a chain, so it gets
+the same bits. Elsewhere a tree is attended as the chains of its root-to-leaf paths (`tree_paths`): each path's keys
+are the cached ones followed by its own nodes' keys, in order, so a node's attention is computed exactly as if its
+path had been drafted as a chain (masking the other branches' keys in place would move the path's terms along the
+keys, and a float32 matmul's sum depends on where its terms sit). Each node is computed once, in the first path that
+holds it; every path re-reads the context.
 """
 from __future__ import annotations
 
@@ -123,7 +119,9 @@ def ancestor_matrix(parents: list[int]) -> torch.Tensor:
     return seen
 
 
-def query_mask(member: GroupMember, num_rows: int, num_keys: int, ancestors: torch.Tensor | None = None) -> torch.Tensor:
+def query_mask(
+    member: GroupMember, num_rows: int, num_keys: int, ancestors: torch.Tensor | None = None
+) -> torch.Tensor:
     """[num_rows, num_keys] bool for one sequence, a chain or (given its ANCESTORS) a tree; rows past its queries
     copy its first (their output is dropped)."""
     num_cached = member.context_len - member.query_len
@@ -144,7 +142,9 @@ def _chain_masks(members: list[GroupMember], max_q: int, max_len: int) -> torch.
     return torch.arange(max_len)[None, None, :] <= query_positions[:, :, None]
 
 
-def build_group(members: list[GroupMember], block_size: int, heads_per_kv_head: int, device: torch.device) -> AttentionGroup:
+def build_group(
+    members: list[GroupMember], block_size: int, heads_per_kv_head: int, device: torch.device
+) -> AttentionGroup:
     """The padded attention call of R sequences: sequence r's queries are its last query_len of context_len keys,
     causal for a chain, each row to its ancestors for a tree in place."""
     max_q = max(m.query_len for m in members)
@@ -170,7 +170,9 @@ def build_group(members: list[GroupMember], block_size: int, heads_per_kv_head: 
     return group
 
 
-def _add_tail_keys(group: AttentionGroup, members: list[GroupMember], keys_per_member: int, device: torch.device) -> None:
+def _add_tail_keys(
+    group: AttentionGroup, members: list[GroupMember], keys_per_member: int, device: torch.device
+) -> None:
     """Where members' last keys come from other slots than their block tables say (tree paths)."""
     flat, slots = [], []
     for r, member in enumerate(members):

@@ -2,15 +2,14 @@
 machinery around them.
 
 transformers' forward builds masks, output records, keyword plumbing and a module call per norm, projection and MLP
-on every layer; at batch 1 on the CPU that Python cost was as large as the 4-bit matmuls themselves
-(bench/results/step-profile: 5.9 ms of a 19.3 ms decode step). This forward walks the same layers with plain tensor
-calls and the same arithmetic, and attends through the paged attention directly. Layers of the Llama form only
-(pre-norm RMSNorm, rotary, grouped-query attention, gated MLP): `supports` says which; others keep transformers'
-forward (engine/model/packed_runner.py chooses).
+on every layer; at batch 1 on the CPU that Python cost rivals the 4-bit matmuls themselves (bench/results/step-profile).
+This forward walks the same layers with plain tensor calls and the same arithmetic, and attends through the paged
+attention directly. Layers of the Llama form only (pre-norm RMSNorm, rotary, grouped-query attention, gated MLP):
+`supports` says which; others keep transformers' forward (engine/model/packed_runner.py chooses).
 
 Each layer's query, key and value projections run as one Linear whose output channels are the three concatenated,
-and its gate and up projections likewise (engine/model/weights.py `fuse_linears`): a Linear computes each output channel
-from its own weights, so the fused layers give the same numbers in fewer, larger kernel calls.
+and its gate and up projections likewise (engine/model/weights.py `fuse_linears`): a Linear computes each output
+channel from its own weights, so the fused layers give the same numbers in fewer, larger kernel calls.
 """
 from __future__ import annotations
 
@@ -59,7 +58,9 @@ class LeanDecoder:
         self.scaling = self.head_dim ** -0.5
         self.layers = [_layer_weights(layer) for layer in inner.layers]
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor, packed: PackedBatch
+    ) -> torch.Tensor:
         """input_ids, position_ids [total]; rows [n] packed rows whose logits return -> [n, vocab]."""
         hidden = self.embed(input_ids)  # [total, hidden]
         cos, sin = (t[0, :, None, :] for t in self.rotary(hidden, position_ids[None]))  # [total, 1, head_dim]
@@ -69,7 +70,9 @@ class LeanDecoder:
                 packed.captured_hidden = hidden[packed.hidden_index].float().cpu()
         return self.lm_head(rms_norm(hidden[rows], self.final_norm, self.eps))
 
-    def _layer(self, layer: LayerWeights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    def _layer(
+        self, layer: LayerWeights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: PackedBatch
+    ) -> torch.Tensor:
         total = hidden.shape[0]
         qkv = layer.qkv(rms_norm(hidden, layer.input_norm, self.eps)).view(total, -1, self.head_dim)
         rotated = rotate(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)  # queries and keys at once

@@ -51,7 +51,9 @@ class DraftModel:
 def load_draft_model(spec: str, target: LoadedModel, config: ModelConfig, role: str = "draft") -> DraftModel:
     """`early-exit:N` or a model source, for ROLE (draft or companion); refuses a vocabulary not the target's."""
     if spec.startswith(EARLY_EXIT):
-        return DraftModel(spec, early_exit_model(target.model, _exit_layers(spec, target.model, role)), shares_target_kv=True)
+        return DraftModel(
+            spec, early_exit_model(target.model, _exit_layers(spec, target.model, role)), shares_target_kv=True
+        )
     loaded = load_model(replace(config, model=spec, max_model_len=None))
     draft_vocab, target_vocab = loaded.model.config.vocab_size, target.model.config.vocab_size
     if draft_vocab != target_vocab:
@@ -124,7 +126,9 @@ class DraftForward:
         self.latency_profile = latency_profile  # seconds of a forward by tokens, profiled at start-up
         self.reserve = reserve
 
-    def __call__(self, chains: list[tuple[str, list[int], int]], num_logits: list[int] | None = None) -> list[torch.Tensor]:
+    def __call__(
+        self, chains: list[tuple[str, list[int], int]], num_logits: list[int] | None = None
+    ) -> list[torch.Tensor]:
         """(request id, token ids, position of the first) per request -> per chain [num_logits, vocab] float32 logits
         at its last NUM_LOGITS tokens (one each by default). A chain's KV is written at its positions' slots; it
         attends to every position before it."""

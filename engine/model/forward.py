@@ -1,18 +1,15 @@
 """The forward contract: plain data that says all a model runner needs, and what a forward returns.
 
-A `ForwardBatch` is one packed forward over several sequences (one `ForwardItem` each).
-An item's new tokens attend to the sequence's cached KV (KV indices [0, num_cached) of
-its block table, all visible) and to each other as their attention structure says:
-a causal chain, or a tree, where a token sees its own ancestors only. A new token's
-KV index is num_cached + its row, so a tree's nodes lie in list order after the
-cached context whatever their depth; its position id is its depth's. After
-verification the engine moves the accepted branch's KV to the slots of its final
+A `ForwardBatch` is one packed forward over several sequences (one `ForwardItem` each). An item's new tokens attend to
+the sequence's cached KV (KV indices [0, num_cached) of its block table, all visible) and to each other as their
+attention structure says: a causal chain, or a tree, where a token sees its own ancestors only. A new token's KV index
+is num_cached + its row, so a tree's nodes lie in list order after the cached context whatever their depth; its
+position id is its depth's. After verification the engine moves the accepted branch's KV to the slots of its final
 positions (`ModelRunner.move_kv`), as the scheduler says.
 
-Rows of an item return, on request: logits for the verifier (`logit_rows`), logits
-for a drafter (`drafter_rows`: look-ahead tokens, whose KV is scratch), the hidden
-state after the batch's capture layer (`hidden_rows`), and the attention of the
-capture heads over the whole context (`attention_rows`).
+Rows of an item return, on request: logits for the verifier (`logit_rows`), logits for a drafter (`drafter_rows`:
+look-ahead tokens, whose KV is scratch), the hidden state after the batch's capture layer (`hidden_rows`), and the
+attention of the capture heads over the whole context (`attention_rows`).
 """
 from __future__ import annotations
 
@@ -33,7 +30,8 @@ class ForwardItem:
     slots: list[int]  # [n] pool slots their KV is written to: the slots of KV indices num_cached .. num_cached + n - 1
     block_table: list[int]  # the sequence's pool blocks, in KV-index order
     num_cached: int  # KV entries of the sequence before these tokens, visible to every new token
-    parents: list[int] | None = None  # [n] tree: each token's parent row, -1 = the cached context only; None = causal chain
+    # [n] tree: each token's parent row, -1 = the cached context only; None = causal chain
+    parents: list[int] | None = None
     logit_rows: list[int] = field(default_factory=list)  # rows whose logits go to the verifier
     drafter_rows: list[int] = field(default_factory=list)  # rows whose logits go to a drafter (look-ahead tokens)
     hidden_rows: list[int] = field(default_factory=list)  # rows whose hidden state at the capture layer is returned
@@ -78,7 +76,8 @@ def chain_item(
     """A causal chain after NUM_CACHED cached positions; its last NUM_LOGITS rows return logits."""
     n = len(token_ids)
     return ForwardItem(
-        token_ids, list(range(num_cached, num_cached + n)), slots_of(block_table, block_size, num_cached, num_cached + n),
+        token_ids, list(range(num_cached, num_cached + n)),
+        slots_of(block_table, block_size, num_cached, num_cached + n),
         block_table, num_cached, logit_rows=list(range(n - num_logits, n)),
     )
 

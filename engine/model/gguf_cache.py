@@ -1,15 +1,13 @@
 """A GGUF model dequantized once into a plain transformers checkpoint under the user cache.
 
-transformers parses and dequantizes a GGUF file on every `from_pretrained(gguf_file=...)`
-(about 25 s for the model and 8 s for the tokenizer of SmolLM2-135M on a small CPU).
-The dequantized float32 weights, config, generation config, tokenizer and chat template
-are written once to `$XDG_CACHE_HOME/specserve/dequantized/<gguf stem>/` (default
-`~/.cache/specserve`) and loaded from there, which is lossless: the same float32
-tensors, cast to the requested dtype the same way. A stamp of the GGUF's path, size,
-mtime and the transformers version rebuilds it when either changes.
+transformers parses and dequantizes a GGUF file on every `from_pretrained(gguf_file=...)`, which is slow even for a
+small model and its tokenizer. The dequantized float32 weights, config, generation config, tokenizer and chat template
+are written once to `$XDG_CACHE_HOME/specserve/dequantized/<gguf stem>/` (default `~/.cache/specserve`) and loaded
+from there, which is lossless: the same float32 tensors, cast to the requested dtype the same way. A stamp of the
+GGUF's path, size, mtime and the transformers version rebuilds it when either changes.
 
-One process builds at a time (a lock on the cache folder); it writes to a hidden partial folder and
-renames it into place, so a reader never sees a half-written checkpoint.
+One process builds at a time (a lock on the cache folder); it writes to a hidden partial folder and renames it into
+place, so a reader never sees a half-written checkpoint.
 """
 from __future__ import annotations
 

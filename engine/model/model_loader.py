@@ -64,9 +64,8 @@ def store_linear_weights_input_major(model: torch.nn.Module) -> None:
     """Keep every Linear weight `[out, in]` as the transpose of a contiguous `[in, out]` tensor.
 
     The values and shapes are unchanged; only the memory layout differs. On the CPU, MKL
-    multiplies a few rows by a weight stored this way up to twice as fast as by the
-    row-major weight (decoding steps carry a few rows per request): measured on the
-    2-core CI machine, ~10 % more tokens/s serving 16 clients. A LM head tied to the input
+    multiplies a few rows by a weight stored this way faster than by the row-major weight,
+    and decoding steps carry a few rows per request. A LM head tied to the input
     embeddings gets its own copy, so the embedding lookup keeps its row-major table.
     """
     head = model.get_output_embeddings()

@@ -32,12 +32,9 @@ from engine.model.paged_attention import (
 
 # A long prefill chunk whose context is at least this long is read in place when its slots are contiguous, and so is
 # a short run (decoding, verifying drafts) when it is the step's only one. Short runs of several requests are gathered
-# into one call: one call per request costs more than gathering them all (measured on CPU with int4 weights: a decode
-# step of 4 requests of 1,536 positions took 41 ms in place and 31 ms gathered; 16 of 512, 89 and 57 ms), while a
-# request decoding alone saves the gather (a batch-1 decode at 500 positions: 25.1 ms gathered, 21.3 ms in place).
-# Where attention skips masked keys (the CPU row kernel) the padding keys cost nothing and any context is read in
-# place when its slots are contiguous: MT-Bench turn 1 at batch 1, contexts mostly under 256, ran at 68.1 tok/s in
-# place and 60.6 gathered with fresh block tables; tables fragment as requests come and go, and then it gathers.
+# into one call, which costs less than one call per request, while a request decoding alone saves the gather. Where
+# attention skips masked keys (the CPU row kernel) the padding keys cost nothing, so any context is read in place
+# when its slots are contiguous; block tables fragment as requests come and go, and then it gathers.
 IN_PLACE_MIN_CONTEXT = 256
 
 
@@ -67,14 +64,17 @@ class PackedModelRunner:
         packed = PackedBatch(self.pool, self.block_size, self._tensor([s for item in items for s in item.slots]))
         self._lay_out(packed, items, members)
         self._ask_captures(packed, batch, members)
-        rows = self._tensor([start + row for item, start in zip(items, starts) for row in item.logit_rows + item.drafter_rows])
+        rows = self._tensor(
+            [start + row for item, start in zip(items, starts) for row in item.logit_rows + item.drafter_rows]
+        )
         token_ids = self._tensor([t for item in items for t in item.token_ids])
         positions = self._tensor([p for item in items for p in item.positions])
         if self.decoder is not None:
             logits = self.decoder(token_ids, positions, rows, packed)
         else:
             logits = self.model(
-                input_ids=token_ids[None], position_ids=positions[None], use_cache=False, logits_to_keep=rows, packed_batch=packed,
+                input_ids=token_ids[None], position_ids=positions[None], use_cache=False, logits_to_keep=rows,
+                packed_batch=packed,
             ).logits[0]
         return self._output(batch, packed, logits.float().cpu())
 
@@ -104,7 +104,9 @@ class PackedModelRunner:
                 packed.spans.append(in_place_span(member, first_slot, self.heads_per_kv_head, self.device))
         packed.groups = self._groups(gathered)
 
-    def _lay_out_trees(self, items: list[ForwardItem], members: list[GroupMember]) -> tuple[list[GroupMember], list[GroupMember]]:
+    def _lay_out_trees(
+        self, items: list[ForwardItem], members: list[GroupMember]
+    ) -> tuple[list[GroupMember], list[GroupMember]]:
         """The trees as sequences masked to their ancestors where attention skips masked keys, else as the chains of
         their paths, to be gathered (attention_layout.py): (sequences, paths)."""
         trees = [(item, member) for item, member in zip(items, members) if not item.is_chain]
@@ -123,7 +125,8 @@ class PackedModelRunner:
         return first_slot
 
     def _groups(self, members: list[GroupMember]) -> list:
-        """Short sequences (decoding, verifying drafts) share one attention call; each long prefill chunk has its own."""
+        """Short sequences (decoding, verifying drafts) share one attention call; each long prefill chunk has its
+        own."""
         short = [m for m in members if m.query_len <= MAX_GROUPED_QUERY_LEN]
         long = [[m] for m in members if m.query_len > MAX_GROUPED_QUERY_LEN]
         return [
@@ -140,7 +143,9 @@ class PackedModelRunner:
             cu_seqlens_k=self._cumulative([m.context_len for m in members]),
             max_seqlen_q=max(m.query_len for m in members),
             max_seqlen_k=max(m.context_len for m in members),
-            block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=self.device),
+            block_table=torch.tensor(
+                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=self.device
+            ),
         )
 
     # --- captures --------------------------------------------------------------------------
@@ -202,7 +207,9 @@ class PackedModelRunner:
             num_hidden = len(item.hidden_rows) if packed.hidden_index is not None else 0
             out.hidden.append(hidden[hidden_start:hidden_start + num_hidden] if num_hidden else None)
             hidden_start += num_hidden
-            out.attention.append(self._item_attention(batch, packed, i) if item.attention_rows and packed.capture_heads else None)
+            out.attention.append(
+                self._item_attention(batch, packed, i) if item.attention_rows and packed.capture_heads else None
+            )
         return out
 
     @staticmethod

@@ -1,31 +1,18 @@
 """Paged KV pool and the attention function of a packed, ragged forward.
 
-All scheduled sequences' new tokens travel in one sequence `[1, total_new_tokens]`.
-Each layer writes its new keys and values into the shared pool at the slots the
-forward items give, then attends, for every sequence, over that sequence's own keys
-in the pool as its layout says (engine/model/attention_layout.py: a causal chain, or a
-tree whose tokens see their ancestors only). The lean decoder (engine/model/decoder.py)
-calls `paged_attention` directly; for other architectures it is registered through
-transformers' public AttentionInterface, so their model code stays transformers'.
-
-Two backends, chosen at start-up:
-- `sdpa` (CPU and CUDA): short query runs (decoding, verifying drafts) are grouped,
-  their keys and values gathered from the pool block-wise and attended with one
-  `scaled_dot_product_attention` call. A long prefill chunk whose context lies in one
-  contiguous run of the pool (the block manager places blocks so that it usually does)
-  is attended on a view of the pool, nothing copied; otherwise gathered, in a call of
-  its own. So is a short run that is alone in its step (one request decoding).
-  (Measured on the 2-core CPU with int4 weights: gathering short runs beat one
-  in-place call per request at every batch and context tried, and beat a hand-written
-  C++ kernel that read the blocks in place: MKL's batched matmuls outrun per-key dot
-  products.)
-- `flash` (CUDA with flash-attn installed): one `flash_attn_varlen_func` call reads
-  the pool through the block tables directly, for the chains of the batch; a tree
-  in the same batch goes through SDPA in the same step. Imported lazily.
-
-Captures: the attention rows of chosen heads at chosen queries are recomputed here,
-softmax(q k^T * scale) over the sequence's keys under its mask, since SDPA and
-flash-attn return no weights.
+All scheduled sequences' new tokens travel in one sequence `[1, total_new_tokens]`. Each layer writes its new keys and
+values into the shared pool at the slots the forward items give, then attends, for every sequence, over its own keys
+in the pool as its layout says (engine/model/attention_layout.py: a causal chain, or a tree whose tokens see their
+ancestors only). The lean decoder (engine/model/decoder.py) calls `paged_attention`; other architectures reach it
+through transformers' public AttentionInterface, so their model code stays transformers'. Backends, chosen at start-up:
+- `sdpa` (CPU and CUDA): short query runs (decoding, verifying drafts) are grouped, their keys and values gathered from
+  the pool block-wise and attended in one call (on CPU, batched matmuls over gathered blocks outrun one in-place call
+  per request). A long prefill chunk whose context lies in one contiguous run of the pool (the block manager usually
+  places it so) is attended on a view of the pool, nothing copied; otherwise gathered, in a call of its own.
+- `flash` (CUDA with flash-attn installed): one `flash_attn_varlen_func` call reads the pool through the block tables
+  for the batch's chains; a tree in the same batch goes through SDPA. Imported lazily.
+Captures: the attention rows of chosen heads are recomputed here (softmax(q k^T * scale) under the sequence's mask),
+since SDPA and flash-attn return no weights.
 """
 from __future__ import annotations
 
@@ -37,24 +24,29 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from engine.model.attention_layout import AttentionGroup, FlashMetadata, InPlaceSpan
+from engine.model.cpu_kernels import has_avx512
 
 ATTENTION_NAME = "specserve_paged"
 FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs blocks of a multiple of 256 positions
-MAX_GROUPED_QUERY_LEN = 16
+MAX_GROUPED_QUERY_LEN = 16  # sequences with at most this many new tokens share one padded attention call
 ROW_MULTIPLE = 4  # query rows per KV head of a CPU attention call are padded to a multiple of this (batch invariance)
-SUM_COLUMNS = 16  # the softmax's sum as a matmul by ones: one vector of columns (a single column takes another path)  # sequences with at most this many new tokens share one padded attention call
+SUM_COLUMNS = 16  # the softmax's sum as a matmul by ones: one vector of columns (a single column takes another path)
 
 
 def kv_shape(model_config) -> tuple[int, int, int]:
     """(layers, kv heads, head dim) of a transformers model config: the shape of one pool slot."""
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    head_dim = (getattr(model_config, "head_dim", None)
+                or model_config.hidden_size // model_config.num_attention_heads)
     return model_config.num_hidden_layers, model_config.num_key_value_heads, head_dim
 
 
 class PagedKVPool:
     """Keys and values of every layer: `[num_layers, num_slots, kv_heads, head_dim]`, slot = block * size + offset."""
 
-    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
@@ -98,20 +90,23 @@ class PackedBatch:
     flash: FlashMetadata | None = None  # flash: the chains
     capture_heads: dict[int, list[int]] = field(default_factory=dict)  # layer -> query heads whose rows are captured
     attention_captures: list[AttentionCapture] = field(default_factory=list)
-    captured_attention: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (item, layer) -> [rows, heads, L]
+    # (item, layer) -> [rows, heads, L]
+    captured_attention: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     hidden_layer: int | None = None  # capture the residual stream after this many decoder layers
     hidden_index: torch.Tensor | None = None  # [n] packed indices whose hidden state is kept
     captured_hidden: torch.Tensor | None = None  # [n, hidden_size]
 
 
 def _gather_blocks(
-    layer_pool: torch.Tensor, block_table: torch.Tensor, block_size: int, max_len: int, into: torch.Tensor | None = None,
+    layer_pool: torch.Tensor, block_table: torch.Tensor, block_size: int, max_len: int,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[num_slots, kv_heads, head_dim] -> [R, L, kv_heads, head_dim] for block_table [R, blocks]: whole blocks copied
     (INTO, when given, a buffer of the right size reused from layer to layer: fresh pages cost more than the copy)."""
     num_reqs, num_blocks = block_table.shape
     by_block = layer_pool.view(-1, block_size * layer_pool.shape[1] * layer_pool.shape[2])
-    gathered = torch.index_select(by_block, 0, block_table.flatten(), out=into) if into is not None else by_block.index_select(0, block_table.flatten())
+    gathered = (torch.index_select(by_block, 0, block_table.flatten(), out=into) if into is not None
+                else by_block.index_select(0, block_table.flatten()))
     return gathered.view(num_reqs, num_blocks * block_size, *layer_pool.shape[1:])[:, :max_len]
 
 
@@ -127,7 +122,7 @@ def _attend_heads_as_rows(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: AttentionGroup | InPlaceSpan, scaling: float | None
 ) -> torch.Tensor:
     """SDPA for grouped-query attention with the query heads that share a KV head folded into extra query rows of
-    that head, so every KV head is read once (on CPU ~1.5x faster than `enable_gqa`, which reads it per query head).
+    that head, so every KV head is read once (on CPU cheaper than `enable_gqa`, which reads it per query head).
 
     q [R, heads, Q, head_dim]; k, v [R, kv_heads, L, head_dim]; WHERE's mask [R, 1, Q * heads / kv_heads, L]
     (already tiled) -> [R, heads, Q, head_dim].
@@ -148,17 +143,15 @@ def _attend_heads_as_rows(
 
 @cache
 def _row_kernel_runs() -> bool:
-    """Whether CPU attention runs specserve's row kernel (engine/model/csrc/row_attention.cpp, AVX-512) rather than the
-    batched matmuls below: the same answer all process long, so every forward computes a row the same way."""
-    from engine.model.cpu_kernels import has_avx512
-
+    """Whether CPU attention runs specserve's row kernel (engine/model/csrc/row_attention.cpp, AVX-512) rather than
+    the batched matmuls below: the same answer all process long, so every forward computes a row the same way."""
     return has_avx512()
 
 
 def skips_masked_keys(device: torch.device) -> bool:
     """Whether attention on DEVICE skips masked keys (the CPU row kernel): then a tree can be attended in place with
-    each row's bits those of its path drafted as a chain (engine/model/attention_layout.py), and a sequence read in place
-    pays nothing for the padding keys after its own."""
+    each row's bits those of its path drafted as a chain (engine/model/attention_layout.py), and a sequence read in
+    place pays nothing for the padding keys after its own."""
     return device.type == "cpu" and _row_kernel_runs()
 
 
@@ -169,7 +162,9 @@ def _blocked(mask: torch.Tensor) -> torch.Tensor:
     return ~F.pad(mask, (0, 0, 0, extra), value=True) if extra else ~mask
 
 
-def _row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor, scaling: float) -> torch.Tensor:
+def _row_invariant_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor, scaling: float
+) -> torch.Tensor:
     """softmax(q k^T * scale) v in plain batched matmuls (keys read where they lie, nothing copied), the softmax's sum
     a matmul as well; every row comes out bit for bit the same whatever the other rows, the padding keys and the
     masked keys between its own (see engine/model/attention_layout.py), which CPU SDPA's fused kernel does not give.
@@ -192,7 +187,9 @@ def _summing_ones(like: torch.Tensor, kv_heads: int, num_keys: int) -> torch.Ten
     key = (kv_heads, like.dtype, like.device)
     ones = _ONES.get(key)
     if ones is None or ones.shape[1] < num_keys:
-        ones = _ONES[key] = like.new_ones(kv_heads, max(num_keys, 2 * (ones.shape[1] if ones is not None else 1024)), SUM_COLUMNS)
+        ones = _ONES[key] = like.new_ones(
+            kv_heads, max(num_keys, 2 * (ones.shape[1] if ones is not None else 1024)), SUM_COLUMNS
+        )
     return ones[:, :num_keys]
 
 
@@ -215,7 +212,9 @@ def _sdpa(packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: f
         num_reqs, max_q = group.query_index.shape
         q = packed_query[group.query_index].transpose(1, 2)  # [R, heads, Q, head_dim]
         if group.scratch is None:  # the same size in every layer of the step
-            group.scratch = keys.new_empty(2, group.block_table.numel(), group.block_size * keys.shape[1] * keys.shape[2])
+            group.scratch = keys.new_empty(
+                2, group.block_table.numel(), group.block_size * keys.shape[1] * keys.shape[2]
+            )
         k = _gather_group(keys, group, group.scratch[0]).transpose(1, 2)
         v = _gather_group(values, group, group.scratch[1]).transpose(1, 2)
         o = _attend_heads_as_rows(q, k, v, group, scaling).transpose(1, 2)  # [R, Q, heads, head_dim]
@@ -229,7 +228,9 @@ def _sdpa(packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: f
         out[queries] = _attend_heads_as_rows(q, k, v, span, scaling)[0].transpose(0, 1)
 
 
-def _flash(packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float | None, out: torch.Tensor) -> None:
+def _flash(
+    packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float | None, out: torch.Tensor
+) -> None:
     from flash_attn import flash_attn_varlen_func  # CUDA only; CPU installs never import it
 
     meta, pool = batch.flash, batch.pool
@@ -258,7 +259,8 @@ def _capture_attention(packed_query: torch.Tensor, layer: int, batch: PackedBatc
     kv_heads = [head // heads_per_kv_head for head in heads]
     for capture in batch.attention_captures:
         table = capture.block_table[None]  # [1, blocks]
-        keys = _gather_blocks(batch.pool.keys[layer], table, batch.block_size, capture.context_len)[0]  # [L, kv_heads, d]
+        # [L, kv_heads, d]
+        keys = _gather_blocks(batch.pool.keys[layer], table, batch.block_size, capture.context_len)[0]
         q = packed_query[capture.query_index][:, heads].float()  # [rows, heads, head_dim]
         k = keys[:, kv_heads].float()  # [L, heads, head_dim]
         scores = torch.einsum("rhd,lhd->rhl", q, k) * scaling

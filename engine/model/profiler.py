@@ -18,7 +18,9 @@ PROFILE_TREE_PATHS, PROFILE_PATH_LEN = 8, 4  # the profiled tree: 8 branches of 
 
 
 @torch.inference_mode()
-def profile_forward_latency(runner: PackedModelRunner, blocks: KVBlockManager, vocab_size: int, max_model_len: int) -> dict[int, float]:
+def profile_forward_latency(
+    runner: PackedModelRunner, blocks: KVBlockManager, vocab_size: int, max_model_len: int
+) -> dict[int, float]:
     """Seconds of a forward over n new tokens after a fixed context, for each profiled n: the fastest of a few
     rounds, since interference only ever adds time. Each round measures every count, so a burst of interference
     (the server process starting beside the engine, say) slows one round rather than every repeat of one count,
@@ -40,20 +42,26 @@ def profile_forward_latency(runner: PackedModelRunner, blocks: KVBlockManager, v
 
 
 @torch.inference_mode()
-def profile_path_seconds(runner: PackedModelRunner, blocks: KVBlockManager, vocab_size: int, max_model_len: int) -> float:
+def profile_path_seconds(
+    runner: PackedModelRunner, blocks: KVBlockManager, vocab_size: int, max_model_len: int
+) -> float:
     """Seconds each root-to-leaf path beyond the first adds per position of context: a tree of PROFILE_TREE_PATHS
     branches against a chain of as many tokens, after the same context (fastest of a few rounds each). About zero
     where trees are attended in place (the CPU row kernel); each path re-reads the context elsewhere."""
     num_tokens = PROFILE_TREE_PATHS * PROFILE_PATH_LEN
     context_len = min(PROFILE_CONTEXT_LEN, max_model_len // 2)
-    context = torch.randint(0, vocab_size, (context_len + num_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    context = torch.randint(
+        0, vocab_size, (context_len + num_tokens,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
     table = blocks.grow(PROFILE_REQUEST_ID, len(context))
     try:
         runner.execute(ForwardBatch([chain_item(context[:context_len], 0, table, blocks.block_size)]))
         drafted = context[context_len:]
         rows = list(range(num_tokens))
         chain = chain_item(drafted, context_len, table, runner.block_size, num_tokens)
-        tree = tree_item(drafted, _branches(PROFILE_TREE_PATHS, PROFILE_PATH_LEN), context_len, table, runner.block_size, rows)
+        tree = tree_item(
+            drafted, _branches(PROFILE_TREE_PATHS, PROFILE_PATH_LEN), context_len, table, runner.block_size, rows
+        )
         chain_s = min(_item_seconds(runner, chain) for _ in range(PROFILE_ROUNDS))
         tree_s = min(_item_seconds(runner, tree) for _ in range(PROFILE_ROUNDS))
         return max(tree_s - chain_s, 0.0) / (PROFILE_TREE_PATHS - 1) / context_len
@@ -66,7 +74,9 @@ def _branches(num_paths: int, path_len: int) -> list[int]:
     return [-1 if depth == 0 else path * path_len + depth - 1 for path in range(num_paths) for depth in range(path_len)]
 
 
-def _forward_seconds(runner: PackedModelRunner, table: list[int], context: list[int], context_len: int, num_tokens: int) -> float:
+def _forward_seconds(
+    runner: PackedModelRunner, table: list[int], context: list[int], context_len: int, num_tokens: int
+) -> float:
     item = chain_item(context[context_len:context_len + num_tokens], context_len, table, runner.block_size, num_tokens)
     return _item_seconds(runner, item)
 

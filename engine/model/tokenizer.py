@@ -9,7 +9,8 @@ from engine.model.model_source import resolve_model_source
 
 
 def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
-    """The model's tokenizer; a GGUF model's from its dequantized cache (the same vocabulary, merges and chat template)."""
+    """The model's tokenizer; a GGUF model's from its dequantized cache (the same vocabulary, merges and chat
+    template)."""
     checkpoint = loadable_source(resolve_model_source(config.model))
     return AutoTokenizer.from_pretrained(
         checkpoint.path, trust_remote_code=config.trust_remote_code, **checkpoint.from_pretrained_kwargs()

@@ -3,14 +3,14 @@
 Each Linear keeps its weights as 4-bit codes in blocks of 32 inputs with a float32 scale and minimum per block (a
 Q4_0/Q4_1 GGUF's own blocks, exactly; other weights are rounded to 16 levels per block by range) and the output layer
 as 8-bit codes per block of 32 (a Q8_0 GGUF's own blocks). Each row of activations is rounded to 8 bits per block of
-32 (scale max|x| / 127), and the products are summed in int32 with AVX512-VNNI (engine/model/csrc/w4a8_linear.cpp): where
-torch's int4 kernel spends float multiply-adds per weight and per row, the integer dot products make verifying 16
-drafted tokens cost little more than decoding one. The served model is the one these weights and this rounding make
+32 (scale max|x| / 127), and the products are summed in int32 with AVX512-VNNI (engine/model/csrc/w4a8_linear.cpp):
+where torch's int4 kernel spends float multiply-adds per weight and per row, the integer dot products make verifying
+16 drafted tokens cost little more than decoding one. The served model is the one these weights and this rounding make
 (speculation is exact against plain decoding of it, tests/engine/test_w4a8.py), as close to the GGUF as llama.cpp's
 own CPU path, which rounds activations the same way.
 
-The kernel needs AVX512-VNNI and a C++ compiler to build it (engine/model/cpu_kernels.py): `available()` says whether it
-runs here, and `--weights auto` picks it only then.
+The kernel needs AVX512-VNNI and a C++ compiler to build it (engine/model/cpu_kernels.py): `available()` says whether
+it runs here, and `--weights auto` picks it only then.
 """
 from __future__ import annotations
 

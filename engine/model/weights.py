@@ -2,24 +2,17 @@
 
 - float32: the weights as loaded (a GGUF dequantized exactly to float32).
 - bfloat16: weights rounded to bfloat16; each Linear multiplies in bfloat16 (oneDNN).
-- int8: weight-only int8 with one scale per output channel (symmetric, rounded from
-  the float32 weights), activations in bfloat16 (`aten._weight_int8pack_mm`).
-- int4: weight-only 4-bit in groups of 32 with a scale and a zero per group
-  (`aten._weight_int4pack_mm_for_cpu`), activations in bfloat16. A GGUF's Q4_1 blocks
-  (w = d q + m, 32 weights) map onto it without requantising: scale d, zero m + 8d,
-  the same 4-bit codes; Q4_0 (w = d (q - 8)) with zero 0. What is not exact: the
-  kernel's fast path takes scales, zeros and activations in bfloat16, so d and m lose
-  3 of their 10 mantissa bits (weights move by up to ~0.03 on SmolLM2) and each
-  Linear's input is rounded to bfloat16. Tensors of other GGUF types, and models that
-  are not GGUF, are quantised to 4 bits by rounding each group's range (min to max).
-  The output layer (a GGUF's tied Q8_0 token embedding) is kept as int8.
-- w4a8: the same 4-bit blocks (scales and minimums in float32) and a Q8_0 output layer's own
-  8-bit blocks, with activations rounded to 8 bits per block of 32 and the products summed
-  in integers, as llama.cpp does on the CPU (engine/model/w4a8.py; needs AVX512-VNNI).
-
-The served model is the one these weights make: speculation is exact against plain
-decoding of the same mode (tests/engine/test_weights.py), not against float32.
-Norms, attention and the residual stream stay in the model's dtype (float32 on CPU).
+- int8: weight-only int8, one symmetric scale per output channel, activations in bfloat16 (`_weight_int8pack_mm`).
+- int4: weight-only 4-bit in groups of 32 with a scale and a zero per group (`_weight_int4pack_mm_for_cpu`),
+  activations in bfloat16. A GGUF's Q4_1 blocks (w = d q + m) map onto it without requantising: scale d, zero m + 8d,
+  the same codes; Q4_0 (w = d (q - 8)) with zero 0. Not exact: the kernel takes scales, zeros and activations in
+  bfloat16, so d and m lose 3 of their 10 mantissa bits. Other GGUF types, and models that are not GGUF, are
+  quantised to 4 bits by each group's range (min to max). The output layer (a GGUF's tied Q8_0 embedding) stays int8.
+- w4a8: the same 4-bit blocks (float32 scales and minimums) and a Q8_0 output layer's own 8-bit blocks, activations
+  rounded to 8 bits per block of 32 and products summed in integers, as llama.cpp does on the CPU (engine/model/w4a8.py;
+  needs AVX512-VNNI).
+The served model is the one these weights make: speculation is exact against plain decoding of the same mode
+(tests/engine/test_weights.py), not against float32. Norms, attention and the residual stream stay in the model's dtype.
 """
 from __future__ import annotations
 
@@ -31,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import WEIGHT_MODES  # the choices live with the config, which imports no torch
+from engine.model import w4a8
 
 logger = logging.getLogger("specserve.engine")
 GROUP_SIZE = 32  # weights per int4 group: a GGUF Q4 block
@@ -38,7 +32,8 @@ INT4_CHANNEL_MULTIPLE = 16  # the int4 CPU kernel needs output channels in multi
 INT4_PACK_BLOCK = 64  # it packs output channels in blocks of 64: whole blocks' packings concatenate (tested)
 GGUF_LINEARS = {  # transformers' Llama module name -> the GGUF tensor of layer i
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 
 
@@ -70,7 +65,8 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()
-        return torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scales).to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return (torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scales).to(x.dtype)
+                .reshape(*shape[:-1], self.out_features))
 
 
 @dataclass
@@ -143,7 +139,8 @@ def gguf_q4_groups(tensor, row_order: np.ndarray | None) -> Q4Groups | None:
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, block_bytes)
     d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
-    m = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32) if block_bytes == 20 else None
+    m = (np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32) if block_bytes == 20
+         else None)
     packed = blocks[:, :, block_bytes - 16:]
     codes = np.concatenate([packed & 0x0F, packed >> 4], axis=2).reshape(rows, -1).astype(np.int32)  # low nibbles first
     mins = m if m is not None else -8 * d
@@ -174,12 +171,11 @@ def llama_row_order(num_rows: int, num_heads: int) -> np.ndarray:
 
 def resolve_weights(mode: str, device: torch.device, gguf_path: str | None) -> str:
     """The mode `auto` stands for. For a GGUF of Q4 weights on a CPU with AVX-512: w4a8 where its kernel builds and
-    the CPU has VNNI (verifying drafts costs least there: bench/results/step-profile), else int4. Otherwise float32,
-    and on CUDA the model's dtype as loaded (float32 names it)."""
-    from engine.model import w4a8
-
+    the CPU has VNNI (verifying drafts costs least there), else int4. Otherwise float32, and on CUDA the model's dtype
+    as loaded (float32 names it)."""
     if mode == "w4a8" and not w4a8.available():
-        raise ValueError("--weights w4a8 needs a CPU with AVX512-VNNI and a C++ compiler to build its kernel (see the log)")
+        raise ValueError("--weights w4a8 needs a CPU with AVX512-VNNI and a C++ compiler to build its kernel "
+                         "(see the log)")
     if mode != "auto":
         return mode
     if device.type != "cpu" or not (gguf_path and gguf_is_q4(gguf_path)):
@@ -210,7 +206,9 @@ def apply_weights(model: torch.nn.Module, mode: str, gguf_path: str | None = Non
             parent_name, child_name = name.split(".")
             parent = getattr(layer, parent_name)
             linear = getattr(parent, child_name)
-            replacement, exact = _replacement(model.config, mode, linear, tensors.get(f"blk.{i}.{GGUF_LINEARS[name]}.weight"), child_name)
+            replacement, exact = _replacement(
+                model.config, mode, linear, tensors.get(f"blk.{i}.{GGUF_LINEARS[name]}.weight"), child_name
+            )
             setattr(parent, child_name, replacement)
             num_exact += exact
     model.lm_head = _output_layer(mode, model.lm_head, tensors.get("output.weight") or tensors.get("token_embd.weight"))
@@ -221,14 +219,12 @@ def apply_weights(model: torch.nn.Module, mode: str, gguf_path: str | None = Non
 
 
 def _output_layer(mode: str, lm_head: torch.nn.Module, gguf_tensor) -> torch.nn.Module:
-    from engine.model.w4a8 import W4A8Linear
-
     if mode == "bfloat16":
         return Bf16Linear(lm_head.weight)
     if mode != "w4a8":
         return Int8Linear.from_weight(lm_head.weight)
     blocks = gguf_q8_blocks(gguf_tensor) if gguf_tensor is not None else None
-    return W4A8Linear.from_blocks(*blocks, bits=8) if blocks else W4A8Linear.int8_from_weight(lm_head.weight)
+    return w4a8.W4A8Linear.from_blocks(*blocks, bits=8) if blocks else w4a8.W4A8Linear.int8_from_weight(lm_head.weight)
 
 
 def _replacement(config, mode: str, linear: torch.nn.Linear, gguf_tensor, name: str) -> tuple[torch.nn.Module, bool]:
@@ -247,16 +243,14 @@ def _replacement(config, mode: str, linear: torch.nn.Linear, gguf_tensor, name: 
     exact = groups is not None
     groups = groups or Q4Groups.by_range(linear.weight)
     if mode == "w4a8":
-        from engine.model.w4a8 import W4A8Linear
-
-        return W4A8Linear.from_blocks(groups.codes, groups.scales, groups.mins, bits=4), exact
+        return w4a8.W4A8Linear.from_blocks(groups.codes, groups.scales, groups.mins, bits=4), exact
     return Int4Linear.from_groups(groups), exact
 
 
 class OutputSlice(torch.nn.Module):
     """What a fused Linear leaves in the place of one of its parts: that part's output channels of the fused output.
-    The lean forward (engine/model/decoder.py) calls the fused Linear once; the model's own forward, which calibration and
-    tools still call, computes the fused output for each part and keeps its slice: right, and slower."""
+    The lean forward (engine/model/decoder.py) calls the fused Linear once; the model's own forward, which calibration
+    and tools call, computes the fused output for each part and keeps its slice: right, and slower."""
 
     def __init__(self, fused: torch.nn.Module, start: int, end: int) -> None:
         super().__init__()
@@ -270,7 +264,8 @@ class OutputSlice(torch.nn.Module):
 def fuse_linears(parent: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Module:
     """One Linear whose output channels are those of PARENT's Linears NAMES, in order; each part is left as its
     OutputSlice. Idempotent: parts already fused together give their fused Linear back. A Linear computes each output
-    channel from its own weights, so the fused one gives the parts' numbers (checked in tests/engine/test_decoder.py)."""
+    channel from its own weights, so the fused one gives the parts' numbers (checked in
+    tests/engine/test_decoder.py)."""
     parts = [getattr(parent, name) for name in names]
     if all(isinstance(part, OutputSlice) for part in parts) and len({id(part.fused) for part in parts}) == 1:
         return parts[0].fused
@@ -292,9 +287,7 @@ def _concatenate(parts: list[torch.nn.Module]) -> torch.nn.Module:
             return Int4Linear(torch.cat([p.packed for p in parts]), scales_and_zeros)
         return Int4Linear.from_codes(torch.cat([p.codes() for p in parts]), scales_and_zeros)
     if kind.__name__ == "W4A8Linear":
-        from engine.model.w4a8 import concatenate
-
-        return concatenate(parts)
+        return w4a8.concatenate(parts)
     if kind is Int8Linear:
         return Int8Linear(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]))
     if kind is Bf16Linear:
@@ -305,7 +298,8 @@ def _concatenate(parts: list[torch.nn.Module]) -> torch.nn.Module:
 
 
 def _float_linear(parts: list[torch.nn.Linear]) -> torch.nn.Linear:
-    """The parts' weights (and biases) concatenated, kept input-major when the parts were (engine/model/model_loader.py)."""
+    """The parts' weights (and biases) concatenated, kept input-major when the parts were
+    (engine/model/model_loader.py)."""
     weight = torch.cat([p.weight for p in parts])
     if parts[0].weight.stride(0) == 1:
         weight = weight.t().contiguous().t()

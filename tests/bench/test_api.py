@@ -64,8 +64,10 @@ def test_logit_bias_raises_three_tokens_and_bans_one():
 
 
 def test_structured_outputs_are_checked_and_tool_calls_compared_with_their_arguments():
-    assert matches_answer_schema('{"answer": "x", "confidence": 50}') and not matches_answer_schema('{"answer": "x", "confidence": 0.5}')
-    assert not matches_answer_schema('{"answer": "x"}') and not matches_answer_schema('{"answer": "x", "confidence": "high"}')
+    assert (matches_answer_schema('{"answer": "x", "confidence": 50}')
+            and not matches_answer_schema('{"answer": "x", "confidence": 0.5}'))
+    assert (not matches_answer_schema('{"answer": "x"}')
+            and not matches_answer_schema('{"answer": "x", "confidence": "high"}'))
     assert not matches_answer_schema('{"answer": "x", "confid') and not matches_answer_schema(None)
     assert ANSWER_SCHEMA["required"] == ["answer", "confidence"]
     assert tool_call_parses({"tool_calls": [call('{"text": "hi"}')]})
@@ -125,7 +127,8 @@ def test_rows_ratios_and_a_loud_mismatch(tmp_path):
     speeds = ("none_tokens_per_s", "copyspec_tokens_per_s", "copyspec_over_none")
     assert [plain[key] for key in speeds] == [5.0, 10.0, 2.0] and [schema[key] for key in speeds] == [10.0, 5.0, 0.5]
     checks = ("identical", "mean_acceptance_length", "valid_none", "valid_copyspec", "none_equal_plain")
-    assert [plain[key] for key in checks] == [2, 3.0, None, None, None] and [schema[key] for key in checks] == [1, 3.0, 1, 2, 1]
+    assert ([plain[key] for key in checks] == [2, 3.0, None, None, None]
+            and [schema[key] for key in checks] == [1, 3.0, 1, 2, 1])
     assert mismatches(records) == [{"variant": "json_schema", "question_id": 1, "first_difference_at_char": 1}]
     setup = {"num_conversations": 3, "max_new_tokens": 8, "specserve_flags": [], "variants": {}}
     results = write_api_results(records, "specserve bench api", setup, tmp_path)
@@ -140,6 +143,7 @@ def test_rows_ratios_and_a_loud_mismatch(tmp_path):
 
 def test_cli_variants_default_to_all_and_reject_unknown_names():
     assert build_parser().parse_args(["bench", "api"]).variants == API_VARIANTS
-    assert build_parser().parse_args(["bench", "api", "--variants", "plain, logprobs,plain"]).variants == ("plain", "logprobs")
+    assert (build_parser().parse_args(["bench", "api", "--variants", "plain, logprobs,plain"]).variants
+            == ("plain", "logprobs"))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "api", "--variants", "beam_search"])

@@ -22,7 +22,8 @@ def test_each_benchmark_has_help_with_its_own_and_the_engine_flags(name, capsys)
     assert exit_info.value.code == 0
     help_text = capsys.readouterr().out
     assert f"specserve bench {name}" in help_text and OWN_FLAGS[name] in help_text
-    assert "--kv-cache-memory" in help_text and "--max-new-tokens" in help_text and "--drafter {" not in help_text  # each chooses its drafters
+    assert ("--kv-cache-memory" in help_text and "--max-new-tokens" in help_text
+            and "--drafter {" not in help_text)  # each chooses its drafters
 
 
 def test_a_benchmark_refuses_another_benchmarks_flags():

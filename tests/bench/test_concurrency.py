@@ -121,7 +121,11 @@ def test_report_files(tmp_path):
     write_concurrency_results(rows, "specserve bench concurrency", tmp_path, {"specserve_flags": []})
     results = json.loads((tmp_path / "results.json").read_text())
     assert [(r["concurrency"], r["server"], r["drafter"]) for r in results["summary"]] == [
-        (1, "specserve", "none"), (1, "transformers-serve", "none"), (2, "specserve", "none"), (2, "transformers-serve", "none")]
+        (1, "specserve", "none"),
+        (1, "transformers-serve", "none"),
+        (2, "specserve", "none"),
+        (2, "transformers-serve", "none"),
+    ]
     for r in results["summary"]:
         assert {"tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", *SPEC_KEYS} <= r.keys()
     assert [q["ratio"] for q in results["ratios"]] == [2.0, 2.0]
@@ -168,9 +172,11 @@ def test_start_process_adds_env_and_a_peer_without_metrics_has_no_counters(tmp_p
     root.mkdir()
     (root / "health").write_text("ok")
     port = free_port()
-    script = "import os, sys; open(sys.argv[1], 'w').write(os.environ['SPECSERVE_TEST_ENV']); " \
-             "import runpy; sys.argv = ['http.server', '--bind', '127.0.0.1', '--directory', sys.argv[2], sys.argv[3]]; " \
-             "runpy.run_module('http.server', run_name='__main__')"
+    script = (
+        "import os, sys; open(sys.argv[1], 'w').write(os.environ['SPECSERVE_TEST_ENV']); "
+        "import runpy; sys.argv = ['http.server', '--bind', '127.0.0.1', '--directory', sys.argv[2], sys.argv[3]]; "
+        "runpy.run_module('http.server', run_name='__main__')"
+    )
     command = [sys.executable, "-c", script, str(tmp_path / "env"), str(root), str(port)]
     server = start_process(command, port, tmp_path, deadline_s=30, env={"SPECSERVE_TEST_ENV": "seen"})
     try:
@@ -204,7 +210,9 @@ def test_a_gguf_is_dequantized_once_per_file_version(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_cache, "save_dequantized", fake_save)
     source = ModelSource("tiny", str(gguf.parent), gguf.name)
     first = transformers_model_dir(source, tmp_path / "cache")
-    assert first == str(tmp_path / "cache" / "tiny.Q4_1") and (tmp_path / "cache" / "tiny.Q4_1" / "config.json").is_file()
+    assert (
+        first == str(tmp_path / "cache" / "tiny.Q4_1") and (tmp_path / "cache" / "tiny.Q4_1" / "config.json").is_file()
+    )
     assert transformers_model_dir(source, tmp_path / "cache") == first and len(calls) == 1
     gguf.write_bytes(b"GGUF v2, another size")
     assert transformers_model_dir(source, tmp_path / "cache") == first and len(calls) == 2

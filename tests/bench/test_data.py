@@ -34,7 +34,8 @@ def test_a_missing_file_names_itself_and_its_source(tmp_path):
 
 
 def test_bench_without_its_data_stops_at_once_with_the_message_and_no_traceback(tmp_path):
-    """The real command, in a process of its own, pointed at an empty folder: exit 1, the files named, no model loaded."""
+    """The real command, in a process of its own, pointed at an empty folder: exit 1, the files named, no model
+    loaded."""
     result = subprocess.run(
         [sys.executable, "-m", "specserve", "bench", "sessions", "--data-dir", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=120,

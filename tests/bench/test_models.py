@@ -12,8 +12,22 @@ def test_each_round_asks_the_next_questions_and_wraps_past_the_end():
 
 def test_a_rows_figures_are_totals_over_its_rounds_not_means_of_their_ratios():
     batches = [
-        {"prompts": [[1]], "outputs": [[7] * 30], "seconds": 1.0, "drafts": 10, "verified_draft_tokens": 20, "accepted_draft_tokens": 15},
-        {"prompts": [[2]], "outputs": [[8] * 10], "seconds": 3.0, "drafts": 0, "verified_draft_tokens": 0, "accepted_draft_tokens": 0},
+        {
+            "prompts": [[1]],
+            "outputs": [[7] * 30],
+            "seconds": 1.0,
+            "drafts": 10,
+            "verified_draft_tokens": 20,
+            "accepted_draft_tokens": 15,
+        },
+        {
+            "prompts": [[2]],
+            "outputs": [[8] * 10],
+            "seconds": 3.0,
+            "drafts": 0,
+            "verified_draft_tokens": 0,
+            "accepted_draft_tokens": 0,
+        },
     ]
     total = totals(batches)
     assert total["prompts"] == [[1], [2]] and total["outputs"] == [[7] * 30, [8] * 10]

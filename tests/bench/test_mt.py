@@ -30,5 +30,7 @@ def test_a_peer_is_compared_by_text_with_none_and_its_speculation_with_its_own_p
     assert not spec["identical_to_baseline"] and spec["identical_to_peer_plain"] is False
     assert spec["exactness"] == "differs"  # never "mismatch": that word is for our own losslessness
     lines = _peer_lines([plain, spec])
-    assert lines == ["llama-server, turn 2: 1 of 1 outputs textually identical to `none`.",
-                     "llama-server-spec, turn 2: 0 of 1 outputs textually identical to `none`, 0 of 1 to its own plain output."]
+    assert lines == [
+        "llama-server, turn 2: 1 of 1 outputs textually identical to `none`.",
+        "llama-server-spec, turn 2: 0 of 1 outputs textually identical to `none`, 0 of 1 to its own plain output.",
+    ]

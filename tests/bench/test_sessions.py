@@ -64,7 +64,8 @@ def test_self_correction_conversations_ask_three_turns_about_math_reasoning_item
     assert [c.question_id for c in conversations] == [q["question_id"] for q in items[:2]]
     first = conversations[0]
     assert len(first.user_turns) == 3 and first.benchmark == "self-correction"
-    assert first.user_turns[0].startswith("Write a Python program") and first.user_turns[0].endswith(items[0]["turns"][0])
+    assert (first.user_turns[0].startswith("Write a Python program")
+            and first.user_turns[0].endswith(items[0]["turns"][0]))
     assert first.user_turns[1:] == list(SELF_CORRECTION_PROMPTS[1:])
     assert len(self_correction_conversations(spec_bench, None)) == len(items) == 3
 
@@ -74,7 +75,9 @@ def test_both_benchmarks_with_their_own_limits():
     assert [c.benchmark for c in conversations] == ["mt-redundant"] * 2 + ["self-correction"] * 3
 
 
-@pytest.mark.parametrize("mode, expected", [("off", {}), ("implicit", {}), ("explicit", {"X-Session-ID": "self-correction-7"})])
+@pytest.mark.parametrize(
+    "mode, expected", [("off", {}), ("implicit", {}), ("explicit", {"X-Session-ID": "self-correction-7"})]
+)
 def test_only_explicit_mode_names_the_session(mode, expected):
     assert session_headers(mode, Conversation("self-correction", 7, ["q"])) == expected
 
@@ -110,8 +113,10 @@ def test_replay_sends_the_servers_own_answers_and_the_header_only_in_explicit_mo
     assert [header for header, _ in seen] == (["self-correction-401"] * 3 if mode == "explicit" else [None] * 3)
     last_messages = seen[-1][1]["messages"]
     assert [m["content"] for m in last_messages] == ["one", "answer 1", "two", "answer 2", "three"]
-    assert all(body["temperature"] == 0 and body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 8
-               for _, body in seen)
+    assert all(
+        body["temperature"] == 0 and body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 8
+        for _, body in seen
+    )
     assert [r["cached_tokens"] for r in records] == [0, 15, 15]
     assert [(r["turn"], r["text"], r["completion_tokens"], r["accepted_tokens"], r["num_drafts"]) for r in records] == [
         (1, "answer 1", 2, 1, 1), (2, "answer 2", 2, 1, 1), (3, "answer 3", 2, 1, 1)]
@@ -173,7 +178,9 @@ def test_interleaved_replay_keeps_finished_conversations_when_a_server_fails():
 
 def test_a_reply_without_usage_or_spec_stats_counts_text_chunks_and_zeros():
     reply = StreamedReply("abc", 0.1, 0.5, 0.4, 3, None, None)
-    result = turn_record(Conversation("mt-redundant", 81, ["q"]), 1, SessionServer("off", "none", "http://test/v1"), reply, 2.34)
+    result = turn_record(
+        Conversation("mt-redundant", 81, ["q"]), 1, SessionServer("off", "none", "http://test/v1"), reply, 2.34
+    )
     assert (result["completion_tokens"], result["cached_tokens"], result["prompt_tokens"]) == (3, 0, 0)
     assert (result["drafted_tokens"], result["accepted_tokens"], result["num_drafts"]) == (0, 0, 0)
     assert result["measured_at_s"] == 2.3
@@ -183,7 +190,8 @@ def test_summary_rows_pool_each_turns_requests():
     rows = {(r["session_mode"], r["drafter"]): r for r in summary_rows(hand_made_records())}
     assert list(rows) == [("off", "none"), ("off", "copyspec"), ("explicit", "none"), ("explicit", "copyspec")]
     base, copy, explicit_copy = rows["off", "none"], rows["off", "copyspec"], rows["explicit", "copyspec"]
-    assert (base["ttft_p50_s"], base["tokens_per_s"], base["mean_acceptance_length"], base["copied_fraction"]) == (1.0, 10.0, 1.0, 0.0)
+    assert ((base["ttft_p50_s"], base["tokens_per_s"], base["mean_acceptance_length"], base["copied_fraction"])
+            == (1.0, 10.0, 1.0, 0.0))
     assert (copy["tokens_per_s"], copy["copied_fraction"], copy["mean_acceptance_length"]) == (20.0, 0.4, 3.0)
     assert (explicit_copy["mean_acceptance_length"], explicit_copy["cached_tokens_mean"]) == (3.667, 85.0)
     assert [r["outputs_equal_baseline"] for r in rows.values()] == [2, 2, 1, 2]
@@ -211,7 +219,9 @@ def test_report_files(tmp_path):
     write_sessions_results(hand_made_records()[:1], "specserve bench sessions", setup, tmp_path)
     assert "Conversations: 1 of 2 mt-redundant (so far);" in (tmp_path / "results.md").read_text()
     write_sessions_results(hand_made_records(), "specserve bench sessions", setup, tmp_path)
-    results = json.loads((tmp_path / "results.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-finite {c}"))
+    results = json.loads(
+        (tmp_path / "results.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-finite {c}")
+    )
     wanted = {"ttft_p50_s", "tokens_per_s", "copied_fraction", "mean_acceptance_length", "outputs_equal_baseline"}
     assert wanted <= results["summary"][0].keys()
     assert {q["metric"] for q in results["ratios"]} == {"ttft_p50_s", "tokens_per_s"}
@@ -229,7 +239,9 @@ def test_report_files(tmp_path):
 
 
 def test_cli_runs_off_first_and_passes_engine_flags_on():
-    args = build_parser().parse_args(["bench", "sessions", "--session-modes", "implicit,off", "--kv-cache-memory", "0.5"])
+    args = build_parser().parse_args(
+        ["bench", "sessions", "--session-modes", "implicit,off", "--kv-cache-memory", "0.5"]
+    )
     assert args.session_modes == ("off", "implicit") and args.benchmarks == SESSION_BENCHMARKS
     assert args.self_correction_limit == 20
     flags = specserve_engine_flags(engine_config(args))

@@ -4,8 +4,10 @@ types follow the CRDs, unknown fields fail (so a misspelt field is caught), but 
 CRDs' fields, so a valid field not listed here also fails until it is added."""
 from __future__ import annotations
 
-DNS_NAME = {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$", "maxLength": 253}
-DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
+DNS_NAME = {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+            "maxLength": 253}
+DURATION = {"type": "string",
+            "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
 STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 METADATA = {
     "type": "object", "required": ["name"], "additionalProperties": False,
@@ -47,9 +49,11 @@ SERVICE_MONITOR = crd_object("ServiceMonitor", {
     "properties": {
         "selector": LABEL_SELECTOR, "endpoints": {"type": "array", "minItems": 1, "items": ENDPOINT},
         "namespaceSelector": {"type": "object", "additionalProperties": False,
-                              "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}},
+                              "properties": {"any": {"type": "boolean"},
+                                             "matchNames": {"type": "array", "items": {"type": "string"}}}},
         "jobLabel": {"type": "string"}, "targetLabels": {"type": "array", "items": {"type": "string"}},
-        "podTargetLabels": {"type": "array", "items": {"type": "string"}}, "sampleLimit": {"type": "integer", "minimum": 0},
+        "podTargetLabels": {"type": "array", "items": {"type": "string"}},
+        "sampleLimit": {"type": "integer", "minimum": 0},
     },
 })
 RULE = {

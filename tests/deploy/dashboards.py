@@ -19,7 +19,8 @@ class PanelQuery:
     expr: str  # as written in the dashboard
 
     def promql(self, model_name: str) -> str:
-        """The expression with Grafana's variables replaced by concrete values; fails on any variable it does not know."""
+        """The expression with Grafana's variables replaced by concrete values; fails on any variable it does not
+        know."""
         values = {"__rate_interval": RATE_INTERVAL, "__interval": "15s", "__range": "5m", "model_name": model_name}
         expr = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: values[m.group(1) or m.group(2)], self.expr)
         assert "$" not in expr, expr

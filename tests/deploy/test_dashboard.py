@@ -24,12 +24,28 @@ REQUIRED_METRICS = {  # what the dashboard must show, by the metric that shows i
     "sessions cached": "specserve:session_cache_num_sessions",
 }
 SPECULATION_PANELS = {  # the speculation row: panel title -> metrics its queries combine
-    "Acceptance rate by drafter": {"specserve:spec_decode_num_accepted_tokens_total", "specserve:spec_decode_num_draft_tokens_total"},
-    "Mean acceptance length by drafter": {"specserve:spec_decode_num_accepted_tokens_total", "specserve:spec_decode_num_drafts_total"},
-    "Acceptance by draft position": {"specserve:spec_decode_num_accepted_tokens_per_pos_total", "specserve:spec_decode_num_drafts_total"},
-    "Copied fraction of generated tokens": {"specserve:spec_decode_num_accepted_tokens_total", "specserve:generation_tokens_total"},
-    "Goodput: estimated vs achieved": {"specserve:planner_expected_tokens_total", "specserve:planner_predicted_seconds_total",
-                                       "specserve:engine_step_tokens_total", "specserve:engine_step_seconds_sum"},
+    "Acceptance rate by drafter": {
+        "specserve:spec_decode_num_accepted_tokens_total",
+        "specserve:spec_decode_num_draft_tokens_total",
+    },
+    "Mean acceptance length by drafter": {
+        "specserve:spec_decode_num_accepted_tokens_total",
+        "specserve:spec_decode_num_drafts_total",
+    },
+    "Acceptance by draft position": {
+        "specserve:spec_decode_num_accepted_tokens_per_pos_total",
+        "specserve:spec_decode_num_drafts_total",
+    },
+    "Copied fraction of generated tokens": {
+        "specserve:spec_decode_num_accepted_tokens_total",
+        "specserve:generation_tokens_total",
+    },
+    "Goodput: estimated vs achieved": {
+        "specserve:planner_expected_tokens_total",
+        "specserve:planner_predicted_seconds_total",
+        "specserve:engine_step_tokens_total",
+        "specserve:engine_step_seconds_sum",
+    },
 }
 
 
@@ -84,5 +100,6 @@ def test_compose_provisions_the_dashboards_and_the_datasource():
     provider = yaml.safe_load((REPO / "deploy/grafana/provisioning/dashboards/specserve.yaml").read_text())
     assert mounts["../deploy/grafana/dashboards"] == provider["providers"][0]["options"]["path"]
     assert mounts["../deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
-    datasource = yaml.safe_load((REPO / "deploy/grafana/provisioning/datasources/prometheus.yaml").read_text())["datasources"][0]
+    datasources = REPO / "deploy/grafana/provisioning/datasources/prometheus.yaml"
+    datasource = yaml.safe_load(datasources.read_text())["datasources"][0]
     assert datasource["type"] == "prometheus" and datasource["url"] == "http://prometheus:9090"

@@ -45,21 +45,33 @@ def entrypoint_argv(tmp_path, env: dict[str, str], *args: str) -> list[str]:
     fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
     fake.chmod(0o755)
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SPECSERVE_")}
-    done = subprocess.run(["sh", str(ENTRYPOINT), *args], env={**clean, **env, "PATH": f"{tmp_path}:{os.environ['PATH']}"},
-                          capture_output=True, text=True, timeout=30, check=True)
+    done = subprocess.run(
+        ["sh", str(ENTRYPOINT), *args],
+        env={**clean, **env, "PATH": f"{tmp_path}:{os.environ['PATH']}"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     return done.stdout.splitlines()
 
 
 def instructions(dockerfile) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    text = re.sub(r"\\\n", " ", "\n".join(l for l in dockerfile.read_text().splitlines() if not l.lstrip().startswith("#")))
+    text = re.sub(
+        r"\\\n",
+        " ",
+        "\n".join(line for line in dockerfile.read_text().splitlines() if not line.lstrip().startswith("#")),
+    )
     return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in text.splitlines() if line.strip()]
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfile_passes_hadolint(dockerfile):
     """Every hadolint finding fails (default threshold: info); rules ignored inline say why."""
-    done = subprocess.run([venv_tool("hadolint"), "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [venv_tool("hadolint"), "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -70,7 +82,8 @@ def test_entrypoint_runs_the_command_the_tests_start(tmp_path):
     assert tests_command[1:4] == ["-m", "specserve", "serve"]
     assert entrypoint_argv(tmp_path, env) == tests_command[3:]  # the entrypoint execs the `specserve` script...
     script = re.search(r'^specserve = "(.+)"$', (REPO / "pyproject.toml").read_text(), re.M)
-    assert script and script.group(1) == "specserve:main"  # ...which is specserve's main, as `python -m specserve` runs it
+    # ...which is specserve's main, as `python -m specserve` runs it
+    assert script and script.group(1) == "specserve:main"
 
 
 def test_entrypoint_defaults_listen_on_all_interfaces_port_8000(tmp_path):
@@ -88,10 +101,10 @@ def test_every_specserve_variable_sets_a_flag_that_specserve_serve_accepts(tmp_p
     assert read == set(ENV_FLAGS) | {"SPECSERVE_HOST", "SPECSERVE_PORT", "SPECSERVE_API_KEY"}
 
 
-def test_readme_documents_every_specserve_variable():
-    readme = (REPO / "README.md").read_text()
+def test_the_deployment_guide_documents_every_specserve_variable():
+    guide = (REPO / "docs" / "deployment.md").read_text()
     for name in set(ENV_FLAGS) | {"SPECSERVE_HOST", "SPECSERVE_PORT", "SPECSERVE_API_KEY"}:
-        assert f"`{name}`" in readme, name
+        assert f"`{name}`" in guide, name
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)

@@ -58,7 +58,11 @@ def test_deployment_selects_its_pods_requests_a_gpu_and_probes_health(rendered):
     assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == "1"
     port_names = {p["name"] for p in c["ports"]}
     paths = {probe: c[probe]["httpGet"]["path"] for probe in ("startupProbe", "readinessProbe", "livenessProbe")}
-    assert paths == {"startupProbe": "/health/ready", "readinessProbe": "/health/ready", "livenessProbe": "/health/live"}
+    assert paths == {
+        "startupProbe": "/health/ready",
+        "readinessProbe": "/health/ready",
+        "livenessProbe": "/health/live",
+    }
     assert all(c[probe]["httpGet"]["port"] in port_names for probe in paths)
     assert spec["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
 

@@ -33,8 +33,8 @@ def specserve(tmp_path_factory):
     assert (VENV_BIN / "specserve").exists(), f"no specserve script in {VENV_BIN}: run make setup"
     port = free_port()
     command = ["env", "-u", "SPECSERVE_API_KEY", f"PATH={VENV_BIN}:{os.environ['PATH']}", "SPECSERVE_HOST=127.0.0.1",
-               f"SPECSERVE_PORT={port}", "SPECSERVE_DRAFTER=copyspec", "SPECSERVE_MAX_NUM_SEQS=4", "sh", str(ENTRYPOINT),
-               "--no-goodput-planner"]
+               f"SPECSERVE_PORT={port}", "SPECSERVE_DRAFTER=copyspec", "SPECSERVE_MAX_NUM_SEQS=4",
+               "sh", str(ENTRYPOINT), "--no-goodput-planner"]
     server = start_process(command, port, tmp_path_factory.mktemp("specserve"))
     yield server
     stop_server(server)
@@ -147,7 +147,11 @@ def test_alert_rules_load_and_evaluate_without_firing(prometheus):
     def quiet(rule: dict) -> bool:
         return rule["health"] == "ok" and not rule["lastEvaluation"].startswith("0001") and rule["state"] == "inactive"
 
-    assert {r["name"] for r in rules()} == {"SpecserveEngineDown", "SpecserveQueueGrowing", "SpecserveAcceptanceCollapse"}
+    assert {r["name"] for r in rules()} == {
+        "SpecserveEngineDown",
+        "SpecserveQueueGrowing",
+        "SpecserveAcceptanceCollapse",
+    }
     try:  # the first evaluation may precede the first scrape, when SpecserveEngineDown's absent() holds
         poll_until(lambda: True if all(quiet(r) for r in rules()) else None, 30, "alert rules evaluated and inactive")
     except TimeoutError:

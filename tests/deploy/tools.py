@@ -39,7 +39,9 @@ def debian_tool(name: str) -> str:
         return path
     reason = f"{name} not found: Debian's prometheus package provides it (apt-get install prometheus)"
     if os.geteuid() == 0 and shutil.which("apt-get"):
-        pytest.fail(reason + "; `make setup` installs it here (root with apt-get), so its install failed: see its output")
+        pytest.fail(
+            reason + "; `make setup` installs it here (root with apt-get), so its install failed: see its output"
+        )
     pytest.skip(reason + "; `make setup` installs it only as root with apt-get")
 
 

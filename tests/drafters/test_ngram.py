@@ -20,7 +20,8 @@ def test_every_full_window_is_counted_and_ranked_by_count_then_recency():
     tokens = [5, 1, 2, 5, 3, 4, 5, 1, 2, 5, 3, 9, 5, 7, 7, 5]
     index.extend(tokens[:7])
     index.extend(tokens)  # incremental: only the windows the new tokens complete
-    # windows starting with 5: (1,2) twice, (3,4) once, (3,9) once (later), (7,7) once (latest); 5 at the end has no window
+    # windows starting with 5: (1,2) twice, (3,4) once, (3,9) once (later), (7,7) once (latest);
+    # 5 at the end has no window
     assert index.top(tokens, 10) == [[1, 2], [7, 7], [3, 9], [3, 4]]
     assert index.top(tokens, 2) == [[1, 2], [7, 7]]
     assert index.top([8], 3) == []
@@ -97,7 +98,10 @@ def test_the_table_holds_each_tokens_top_next_tokens_of_a_bare_forward_and_is_ca
     table = build_bigram_table(next_token_logits, vocab)
     assert table.top_ids.shape == (vocab, TABLE_TOP_K)
     assert table.top_ids[3].tolist() == torch.topk(weights[3], TABLE_TOP_K).indices.tolist()
-    assert table.rows(3, 2, 3)[1][:2] == [int(weights[3].topk(2).indices[1]), int(weights[int(weights[3].topk(2).indices[1])].argmax())]
+    assert table.rows(3, 2, 3)[1][:2] == [
+        int(weights[3].topk(2).indices[1]),
+        int(weights[int(weights[3].topk(2).indices[1])].argmax()),
+    ]
     path = table_path(tmp_path, "abc")
     background = BackgroundTable(path, lambda: build_bigram_table(next_token_logits, vocab))
     assert background.wait(30) is not None and path.is_file()

@@ -28,7 +28,8 @@ def continuation(tokens, k):
         ([1, 2, 3, 9, 1, 2, 3, 8, 7, 1, 2, 3], 2, [9, 1]),  # the first match wins, not the most recent
         ([5, 1, 2, 3, 1, 2, 3], 2, [1, 2]),  # the 3-gram's copy would start at the suffix: the 2-gram 2 3 answers
         ([1, 2, 3], 2, []),  # only the suffix itself
-        ([9, 1, 2, 3, 4, 1, 2, 3], 5, []),  # 5 tokens after the match would run into the suffix's end: no whole continuation
+        # 5 tokens after the match would run into the suffix's end: no whole continuation
+        ([9, 1, 2, 3, 4, 1, 2, 3], 5, []),
     ],
 )
 def test_lookup(tokens, k, expected):

@@ -80,4 +80,5 @@ def test_state_memory_is_counted_and_a_next_turn_keeps_what_it_shares_with_the_h
 def test_a_state_stores_unit_vectors_and_grows():
     state = PldPlusState()
     state.store_hidden(0, torch.full((300, 4), 2.0))
-    assert state.hidden.shape[0] >= 300 and torch.allclose(state.hidden[299].float().norm(), torch.tensor(1.0), atol=1e-3)
+    assert (state.hidden.shape[0] >= 300
+            and torch.allclose(state.hidden[299].float().norm(), torch.tensor(1.0), atol=1e-3))

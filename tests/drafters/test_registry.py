@@ -27,7 +27,8 @@ def test_registry_builds_by_name(tmp_path):
     assert plus.ranking == "hidden" and plus.captures.hidden_layer == 1 and plus.max_tokens == 70
     with pytest.raises(ValueError, match="calibrate"):
         build_drafter(SpecConfig(drafter="pld-plus", pld_plus_ranking="attention"), context(tmp_path))
-    with pytest.raises(ValueError, match="--draft-model"):  # the engine lends a draft model's forward only when it has one
+    # the engine lends a draft model's forward only when it has one
+    with pytest.raises(ValueError, match="--draft-model"):
         build_drafter(SpecConfig(drafter="copyspec+draft"), context(tmp_path))
     with pytest.raises(ValueError, match="unknown drafter"):
         build_drafter(SpecConfig(drafter="nope"), context(tmp_path))

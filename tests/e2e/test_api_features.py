@@ -119,7 +119,9 @@ def test_several_choices_share_a_request_and_a_seed_reproduces_them(client):
             streamed[choice.index] += choice.delta.content or ""
     assert [streamed[i] for i in range(3)] == [c.message.content for c in reply.choices]
     assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
-    assert reply.usage.completion_tokens == sum(len(c.logprobs.content) for c in chat(client, logprobs=True, **fields).choices)
+    assert reply.usage.completion_tokens == sum(
+        len(c.logprobs.content) for c in chat(client, logprobs=True, **fields).choices
+    )
 
 
 @pytest.mark.parametrize("fields, param", [

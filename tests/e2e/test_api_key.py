@@ -19,7 +19,9 @@ def test_the_key_is_required_and_sufficient(guarded_server):
     without = openai.OpenAI(base_url=guarded_server.api_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         without.models.list()
-    response = httpx.post(guarded_server.api_url + "/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    response = httpx.post(
+        guarded_server.api_url + "/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+    )
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     with_key = openai.OpenAI(base_url=guarded_server.api_url, api_key=KEY, max_retries=0)
     reply = with_key.chat.completions.create(

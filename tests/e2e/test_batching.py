@@ -68,7 +68,9 @@ def test_a_flood_beyond_the_queue_bound_gets_429s_while_admitted_requests_comple
 
         def ask(n):
             return httpx.post(
-                small_server.api_url + "/chat/completions", json=chat_body(f"Name a colour, {n}.", 4, False), timeout=120
+                small_server.api_url + "/chat/completions",
+                json=chat_body(f"Name a colour, {n}.", 4, False),
+                timeout=120,
             )
 
         with concurrent.futures.ThreadPoolExecutor(10) as pool:
@@ -96,9 +98,13 @@ def test_kv_blocks_return_to_zero_after_finished_and_disconnected_clients(small_
     try:
         assert dropped.started.wait(timeout=120)
         assert health(small_server)["kv_cache_usage"] > 0
-        finished = httpx.post(small_server.api_url + "/chat/completions", json=chat_body("Say hi.", 8, False), timeout=120)
+        finished = httpx.post(
+            small_server.api_url + "/chat/completions", json=chat_body("Say hi.", 8, False), timeout=120
+        )
         assert finished.status_code == 200
     finally:
         dropped.drop()
-    assert wait_for(lambda: health(small_server)["kv_cache_usage"] == 0 and health(small_server)["num_running"] == 0, 30)
+    assert wait_for(
+        lambda: health(small_server)["kv_cache_usage"] == 0 and health(small_server)["num_running"] == 0, 30
+    )
     assert kv_usage_metric(small_server) == 0

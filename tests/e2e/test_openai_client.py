@@ -68,7 +68,9 @@ def test_concurrent_requests_all_finish_and_equal_their_solo_answers(client):
     questions = [[{"role": "user", "content": f"Write a sentence about the number {n}."}] for n in range(6)]
     solo = [chat(client, messages=q, max_tokens=24).choices[0].message.content for q in questions]
     with concurrent.futures.ThreadPoolExecutor(len(questions)) as pool:
-        together = list(pool.map(lambda q: chat(client, messages=q, max_tokens=24).choices[0].message.content, questions))
+        together = list(
+            pool.map(lambda q: chat(client, messages=q, max_tokens=24).choices[0].message.content, questions)
+        )
     assert together == solo
 
 
@@ -93,7 +95,9 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
 
 
 def test_invalid_json_and_unknown_route(server):
-    response = httpx.post(server.api_url + "/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    response = httpx.post(
+        server.api_url + "/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
     assert httpx.get(server.api_url + "/nothing-here").status_code == 404
 
@@ -119,9 +123,18 @@ def test_ignore_eos_generates_exactly_max_tokens(client):
 def test_metrics_count_what_the_server_did(server, client):
     from prometheus_client.parser import text_string_to_metric_families
 
-    chat(client, messages=[{"role": "user", "content": "Repeat exactly: one two three four. one two three four."}], max_tokens=30)
+    chat(
+        client,
+        messages=[{"role": "user", "content": "Repeat exactly: one two three four. one two three four."}],
+        max_tokens=30,
+    )
     families = text_string_to_metric_families(httpx.get(server.base_url + "/metrics").text)
-    values = {(s.name, s.labels.get("drafter")): s.value for f in families for s in f.samples if s.labels.get("model_name") == MODEL}
+    values = {
+        (s.name, s.labels.get("drafter")): s.value
+        for f in families
+        for s in f.samples
+        if s.labels.get("model_name") == MODEL
+    }
     assert values[("specserve:engine_healthy", None)] == 1
     assert values[("specserve:generation_tokens_total", None)] > 0
     assert values[("specserve:time_to_first_token_seconds_count", None)] > 0

@@ -25,7 +25,9 @@ def openai_client(server):
 @pytest.fixture(scope="module")
 def off_client(tmp_path_factory):
     """A server without session caches: what every answer must equal."""
-    running = start_server(tmp_path_factory.mktemp("sessions-off"), "--session-mode", "off", "--kv-cache-memory", "0.25")
+    running = start_server(
+        tmp_path_factory.mktemp("sessions-off"), "--session-mode", "off", "--kv-cache-memory", "0.25"
+    )
     yield openai_client(running)
     stop_server(running)
 
@@ -37,11 +39,14 @@ def reference_model():
 
 
 def chat(client, messages, max_tokens=48, **kwargs):
-    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0.0, max_tokens=max_tokens, **kwargs)
+    return client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0.0, max_tokens=max_tokens, **kwargs
+    )
 
 
 def assert_same_answer(reference_model, messages, expected: str, actual: str) -> None:
-    """Equal texts, or a divergence at a genuine near-tie of the reference (DESIGN.md's rule, on re-tokenized texts)."""
+    """Equal texts, or a divergence at a genuine near-tie of the reference (docs/architecture.md's rule, on
+    re-tokenized texts)."""
     if expected == actual:
         return
     model, tokenizer = reference_model
@@ -67,13 +72,18 @@ def test_an_unmodified_client_resending_the_history_finds_its_session(server, cl
     assert cached >= reply.usage.prompt_tokens - 40, "the whole history before the new turn should be reused"
     assert metric(server, "specserve:session_cache_hits_total") > hits_before
     assert metric(server, "specserve:session_cache_reused_prefix_tokens_total") >= cached
-    assert_same_answer(reference_model, second, chat(off_client, second).choices[0].message.content, reply.choices[0].message.content)
+    assert_same_answer(
+        reference_model, second, chat(off_client, second).choices[0].message.content, reply.choices[0].message.content
+    )
 
 
 def test_a_named_session_is_found_by_header_and_by_body_field(client):
     first = [{"role": "user", "content": "List four animals that live in the sea."}]
     answer = chat(client, first, extra_headers={"X-Session-ID": "e2e-named"}).choices[0].message.content
-    second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Now list them in reverse."}]
+    second = first + [
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "Now list them in reverse."},
+    ]
     by_header = chat(client, second, extra_headers={"X-Session-ID": "e2e-named"})
     assert by_header.usage.prompt_tokens_details.cached_tokens > 0
     by_body = chat(client, second, extra_body={"session_id": "e2e-named"})
@@ -88,12 +98,16 @@ def test_a_client_that_edits_an_earlier_turn_gets_the_answer_a_fresh_server_give
     edited = [{"role": "user", "content": "Describe a blue bicycle in two sentences."}]  # turn 1 edited, resent
     reply = chat(client, edited)
     assert 0 < reply.usage.prompt_tokens_details.cached_tokens < reply.usage.prompt_tokens  # the part before the edit
-    assert_same_answer(reference_model, edited, chat(off_client, edited).choices[0].message.content, reply.choices[0].message.content)
+    assert_same_answer(
+        reference_model, edited, chat(off_client, edited).choices[0].message.content, reply.choices[0].message.content
+    )
 
 
 def test_an_overlong_session_id_is_a_400(server):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    by_header = httpx.post(server.api_url + "/chat/completions", json=body, headers={"X-Session-ID": "x" * 300}, timeout=60)
+    by_header = httpx.post(
+        server.api_url + "/chat/completions", json=body, headers={"X-Session-ID": "x" * 300}, timeout=60
+    )
     assert by_header.status_code == 400 and by_header.json()["error"]["param"] == "X-Session-ID"
     by_body = httpx.post(server.api_url + "/chat/completions", json={**body, "session_id": "x" * 300}, timeout=60)
     assert by_body.status_code == 400 and by_body.json()["error"]["param"] == "session_id"
@@ -110,7 +124,10 @@ def test_under_a_tight_memory_budget_sessions_are_evicted_and_requests_keep_succ
             assert answer.choices[0].finish_reason == "length"
             second = first + [{"role": "assistant", "content": answer.choices[0].message.content},
                               {"role": "user", "content": "Say that again in other words."}]
-            assert chat(client, second, max_tokens=64, extra_body={"ignore_eos": True}).choices[0].finish_reason == "length"
+            assert (
+                chat(client, second, max_tokens=64, extra_body={"ignore_eos": True}).choices[0].finish_reason
+                == "length"
+            )
         assert metric(tight, "specserve:session_cache_evictions_total") > 0
         assert metric(tight, "specserve:session_cache_hits_total") > 0
         assert metric(tight, "specserve:num_preemptions_total") == 0

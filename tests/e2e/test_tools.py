@@ -20,7 +20,11 @@ WEATHER_PARAMETERS = {
 }
 WEATHER = {
     "type": "function",
-    "function": {"name": "get_weather", "description": "The current weather in a city.", "parameters": WEATHER_PARAMETERS},
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": WEATHER_PARAMETERS,
+    },
 }
 TIME = {"type": "function", "function": {"name": "get_time", "description": "The current time."}}
 CALL_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
@@ -46,7 +50,11 @@ def test_a_streamed_forced_call_equals_the_returned_one(client):
     """One forced call (with parallel calls the model may start another and be cut short inside its tag, which then
     stays content, streamed or not)."""
     expected = chat(client, tool_choice=CALL_WEATHER, parallel_tool_calls=False).choices[0].message.tool_calls
-    chunks = [chunk for chunk in chat(client, tool_choice=CALL_WEATHER, parallel_tool_calls=False, stream=True) if chunk.choices]
+    chunks = [
+        chunk
+        for chunk in chat(client, tool_choice=CALL_WEATHER, parallel_tool_calls=False, stream=True)
+        if chunk.choices
+    ]
     calls: dict[int, dict] = {}
     for delta in (chunk.choices[0].delta for chunk in chunks):
         for piece in delta.tool_calls or []:

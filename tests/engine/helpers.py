@@ -1,6 +1,8 @@
 """Drive an Engine in-process to completion."""
 from __future__ import annotations
 
+import pytest
+
 from engine.engine import Engine
 from engine.wire import EngineRequest, RequestOutput, SamplingParams, StepStats
 
@@ -34,8 +36,6 @@ def run_to_completion(
 
 def w4a8_param() -> "pytest.param":
     """The w4a8 weight mode as a test parameter, skipped (with the reason) where its kernel cannot run."""
-    import pytest
-
     from engine.model.w4a8 import available
 
     return pytest.param("w4a8", marks=pytest.mark.skipif(

@@ -55,7 +55,8 @@ def test_requests_served_together_equal_each_served_alone():
     together = run_to_completion(together_engine, prompts, [params] * len(prompts), stats)
     assert sum(s.num_preemptions for s in stats) > 0, "the pool must run full for this test to mean something"
     assert max(s.num_scheduled_tokens for s in stats) == 64 and max(s.num_running for s in stats) > 1
-    assert together_engine.scheduler.blocks.usage == 0  # every request gave its blocks back (cached sessions may hold some)
+    # every request gave its blocks back (cached sessions may hold some)
+    assert together_engine.scheduler.blocks.usage == 0
     for i, prompt in enumerate(prompts):
         alone = run_to_completion(alone_engine, [prompt], [params])["req-0"].new_token_ids
         verdict = divergence_verdict(alone_engine.runner.model, prompt, alone, together[f"req-{i}"].new_token_ids)

@@ -39,5 +39,7 @@ def test_greedy_output_with_sessions_equals_output_without_on_benchmark_conversa
             verdict = divergence_verdict(without.runner.model, prompt, reference.new_token_ids, cached.new_token_ids)
             assert verdict != "mismatch", (conversation.session_id, turn)
             num_cached += cached.num_cached_tokens if turn > 1 else 0
-            messages.append({"role": "assistant", "content": tokenizer.decode(reference.new_token_ids, skip_special_tokens=True)})
+            messages.append(
+                {"role": "assistant", "content": tokenizer.decode(reference.new_token_ids, skip_special_tokens=True)}
+            )
     assert num_cached > 0, "later turns must have reused their history for this test to mean something"

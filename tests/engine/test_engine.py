@@ -60,10 +60,15 @@ def test_greedy_speculation_equals_plain_decoding(engines):
 @pytest.mark.parametrize("drafter", ["copyspec", "ngram"])
 def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(engines, drafter):
     batch = prompts(4, seed=3)
-    params = [SamplingParams(temperature=0.5, top_p=0.95, seed=11 + i, max_tokens=60, ignore_eos=True) for i in range(len(batch))]
+    params = [
+        SamplingParams(temperature=0.5, top_p=0.95, seed=11 + i, max_tokens=60, ignore_eos=True)
+        for i in range(len(batch))
+    ]
     reference = run_to_completion(engines["none"], batch, params)
     speculative = run_to_completion(engines[drafter], batch, params)
-    assert sum(o.spec.num_accepted_tokens for o in speculative.values()) > 0, "drafts must be accepted for this to mean something"
+    assert sum(o.spec.num_accepted_tokens for o in speculative.values()) > 0, (
+        "drafts must be accepted for this to mean something"
+    )
     assert sum(o.spec.num_draft_tokens - o.spec.num_accepted_tokens for o in speculative.values()) > 0, "and rejected"
     for request_id, output in reference.items():
         assert speculative[request_id].new_token_ids == output.new_token_ids, request_id
@@ -155,7 +160,9 @@ def test_greedy_speculation_on_cuda_equals_plain_decoding(tiny_model_dir, backen
         ref, out = reference[f"req-{i}"].new_token_ids, outputs[f"req-{i}"].new_token_ids
         assert divergence_verdict(plain.runner.model, prompt, ref, out) != "mismatch", i
     for engine in (plain, speculative):
-        assert engine.scheduler.blocks.usage == 0, "no request holds blocks once all finished (sessions may keep theirs)"
+        assert engine.scheduler.blocks.usage == 0, (
+            "no request holds blocks once all finished (sessions may keep theirs)"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +194,9 @@ def test_prompt_lookup_drafters_are_exact(engines, pld_engines, drafter):
 def test_pld_plus_state_memory_is_reported_bounded_and_freed_when_requests_and_sessions_end(pld_engines):
     engine = pld_engines["pld-plus"]
     stats = []
-    run_to_completion(engine, prompts(3, seed=8), [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * 3, stats)
+    run_to_completion(
+        engine, prompts(3, seed=8), [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * 3, stats
+    )
     assert max(s.drafter_state_bytes for s in stats) > 0
     assert engine.speculation.drafter.state_bytes() == 0  # every request ended; only cached sessions keep states
     kept, sessions = engine.speculation.state_bytes(), engine.scheduler.sessions

@@ -61,7 +61,10 @@ def test_speculative_sampling_matches_plain_sampling(tiny_model_dir, params, tre
         model=ModelConfig(model=tiny_model_dir, device="cpu"),
         cache=CacheConfig(0.05),  # the pool is zeroed at start-up: a small one for this tiny model
         scheduler=SchedulerConfig(
-            max_num_seqs=NUM_SAMPLES, max_num_batched_tokens=32 * NUM_SAMPLES, max_waiting=NUM_SAMPLES, use_goodput_planner=False
+            max_num_seqs=NUM_SAMPLES,
+            max_num_batched_tokens=32 * NUM_SAMPLES,
+            max_waiting=NUM_SAMPLES,
+            use_goodput_planner=False,
         ),
         spec=SpecConfig(drafter="none"),
     )
@@ -102,6 +105,10 @@ def test_sampling_with_a_draft_model_matches_plain_sampling(tiny_model_dir):
     speculative, num_accepted = sample_pairs(engine("draft", "early-exit:1"), params)
     assert 20 <= num_accepted < 2 * NUM_SAMPLES  # accepted and rejected drafts both ran
     keys = sorted(set(plain) | set(speculative))
-    table = [list(col) for col in zip([plain.get(k, 0) for k in keys], [speculative.get(k, 0) for k in keys]) if sum(col) >= 5]
+    table = [
+        list(col)
+        for col in zip([plain.get(k, 0) for k in keys], [speculative.get(k, 0) for k in keys])
+        if sum(col) >= 5
+    ]
     result = chi2_contingency(list(zip(*table)))
     assert result.pvalue > 1e-3, result

@@ -12,11 +12,13 @@ from scheduler.config import SchedulerConfig
 from tests.conftest import TINY_VOCAB
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-POSITION_BYTES = 2 * 2 * 2 * 8 * 4  # K and V, 2 layers, 2 KV heads, head_dim 8, float32: the tiny model's KV per position
+# K and V, 2 layers, 2 KV heads, head_dim 8, float32: the tiny model's KV per position
+POSITION_BYTES = 2 * 2 * 2 * 8 * 4
 
 
 def make_engine(model_dir, mode, drafter="copyspec", num_blocks=None, max_num_seqs=8):
-    cache = CacheConfig() if num_blocks is None else CacheConfig(kv_cache_memory_gib=num_blocks * 16 * POSITION_BYTES / 2**30)
+    cache = (CacheConfig() if num_blocks is None
+             else CacheConfig(kv_cache_memory_gib=num_blocks * 16 * POSITION_BYTES / 2**30))
     return Engine(EngineConfig(
         model=ModelConfig(model=model_dir, device="cpu"),
         cache=cache,

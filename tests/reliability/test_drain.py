@@ -11,8 +11,15 @@ import pytest
 from bench.server_process import start_server, stop_server
 from tests.reliability.helpers import MODEL, status, wait_for
 
-IN_FLIGHT = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
-             "messages": [{"role": "user", "content": "Count slowly from one to a hundred."}]}
+IN_FLIGHT = {
+    "model": MODEL,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "max_tokens": 200,
+    "temperature": 0,
+    "ignore_eos": True,
+    "messages": [{"role": "user", "content": "Count slowly from one to a hundred."}],
+}
 
 
 @pytest.mark.slow
@@ -25,8 +32,11 @@ def test_sigterm_lets_requests_in_flight_finish_and_refuses_new_ones(tmp_path):
                 next(lines)
             os.kill(server.process.pid, signal.SIGTERM)
             refused = wait_for(lambda: status(server.base_url, "/health/ready") == 503, 5)
-            new = httpx.post(server.api_url + "/chat/completions", json={**IN_FLIGHT, "stream": False, "stream_options": None},
-                             timeout=30)
+            new = httpx.post(
+                server.api_url + "/chat/completions",
+                json={**IN_FLIGHT, "stream": False, "stream_options": None},
+                timeout=30,
+            )
             live = httpx.get(server.base_url + "/health/live", timeout=5).json()
             rest = "\n".join(lines)
         assert refused and new.status_code == 503, new.text

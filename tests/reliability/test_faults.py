@@ -109,7 +109,9 @@ LAUNCHER = """
 @pytest.mark.slow
 def test_servers_die_with_the_test_run_that_started_them(tmp_path):
     """A test run killed outright (SIGKILL: no fixture teardown runs) leaves no server and no engine behind."""
-    launcher = subprocess.Popen([sys.executable, "-c", textwrap.dedent(LAUNCHER), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(LAUNCHER), str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
     try:
         server_pid, engine_pid = map(int, launcher.stdout.readline().split())
     finally:

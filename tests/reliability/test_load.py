@@ -16,10 +16,13 @@ MEMORY_GROWTH_BOUND = 0.10  # after the load, server + engine RSS within 10% of 
 def test_streams_under_load_all_end_properly_and_resources_return(tmp_path):
     server = start_server(tmp_path, "--session-mode", "off", "--max-num-seqs", "8")
     try:
-        run_load(server.base_url, server.process.pid, LoadConfig(clients=2, duration_s=3, seed=99))  # warm the allocator
+        # warm the allocator
+        run_load(server.base_url, server.process.pid, LoadConfig(clients=2, duration_s=3, seed=99))
         settle(server.base_url)
         baseline = resident_mib(server.process.pid)
-        report = run_load(server.base_url, server.process.pid, LoadConfig(clients=CLIENTS, duration_s=SECONDS, hang_up_share=0.25))
+        report = run_load(
+            server.base_url, server.process.pid, LoadConfig(clients=CLIENTS, duration_s=SECONDS, hang_up_share=0.25)
+        )
         health = settle(server.base_url)
         after = resident_mib(server.process.pid)
     finally:

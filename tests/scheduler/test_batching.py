@@ -106,7 +106,9 @@ def simulate(seed, num_requests=30, num_blocks=24, budget=24, max_num_seqs=6):
             assert len(scheduler.blocks.block_tables[item.req.request_id]) * scheduler.blocks.block_size >= end
         for req in decoding_before:  # every decoding request advances or is preempted
             assert req in [item.req for item in out.scheduled] or req in scheduler.waiting
-        scheduler.update(out, [random_verification(rng, item) if item.num_logits else Verification([]) for item in out.scheduled])
+        scheduler.update(
+            out, [random_verification(rng, item) if item.num_logits else Verification([]) for item in out.scheduled]
+        )
         for req in scheduler.running:
             if req.num_uncomputed_tokens == 1 and rng.random() < 0.7:
                 scheduler.set_drafts([req], [random_draft(rng)])
@@ -128,7 +130,8 @@ def test_random_traffic_on_a_tight_pool_finishes_everything_and_returns_every_bl
 
 def test_measured_step_overhead_makes_drafts_cheaper_to_verify():
     scheduler = make_scheduler(planner=True)
-    scheduler.latency = LatencyModel({1: 1.0, 2: 1.6, 4: 2.8})  # a draft costs 0.6 s on a 1 s step: not worth 0.5 tokens
+    # a draft costs 0.6 s on a 1 s step: not worth 0.5 tokens
+    scheduler.latency = LatencyModel({1: 1.0, 2: 1.6, 4: 2.8})
     req = add(scheduler, max_tokens=100)
     step(scheduler, scheduler.schedule(), [[8]])
     scheduler.set_drafts([req], [Draft([9, 10, 11], "copyspec")])

@@ -116,4 +116,5 @@ def test_free_runs_follow_every_grow_shrink_hold_and_free():
         else:
             manager.free(name)
         assert manager._free_runs.length_by_start == runs_of(manager._free), step
-        assert {end: start for start, end in ((s, s + n - 1) for s, n in runs_of(manager._free).items())} == manager._free_runs.start_by_end
+        assert ({end: start for start, end in ((s, s + n - 1) for s, n in runs_of(manager._free).items())}
+                == manager._free_runs.start_by_end)

@@ -85,7 +85,8 @@ def test_the_planner_turns_a_useless_draft_model_off_but_keeps_measuring_it_less
     assert set(depths) == {0, 1}
     probes = [step + 1 for step, depth in enumerate(depths) if depth]
     gaps = [after - before for before, after in zip([0, *probes], probes)]
-    assert gaps == [round(2 ** i / EXPLORE_SHARE / 2) for i in range(4)] + [round(1 / MIN_EXPLORE_SHARE / 2)] * 3  # 25 .. 200, 250s
+    # 25 .. 200, 250s
+    assert gaps == [round(2 ** i / EXPLORE_SHARE / 2) for i in range(4)] + [round(1 / MIN_EXPLORE_SHARE / 2)] * 3
     model_drafts.estimator.prior, model_drafts.draft_seconds = 0.99, linear(0.0001, 0.001)  # right and cheap now
     assert model_drafts.reserve([req], 5, "draft")["a"] > 0
 

@@ -31,7 +31,9 @@ def step(scheduler, out, sampled):
 
 
 def add(scheduler, request_id="r", prompt=(5, 6, 7), max_tokens=10, ignore_eos=False):
-    req = Request(request_id, list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos))
+    req = Request(
+        request_id, list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    )
     scheduler.add_request(req)
     return req
 

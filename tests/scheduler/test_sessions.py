@@ -122,7 +122,8 @@ def test_the_least_recently_used_session_goes_when_the_cap_is_passed():
         finish_turn(store, blocks, name, [ord(name)] * 9, [1], session_id=name)
     assert list(store.sessions) == ["named:b", "named:c"]
     assert store.take_stats().evictions == 1
-    assert store.take_evicted_keys() == ["named:a"] and store.take_evicted_keys() == []  # for the engine's drafter states
+    # the evicted keys are for the engine's drafter states
+    assert store.take_evicted_keys() == ["named:a"] and store.take_evicted_keys() == []
     assert blocks.num_free_blocks == blocks.num_blocks - 4  # a's two blocks came back
 
 

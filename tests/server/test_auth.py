@@ -2,7 +2,7 @@
 import pytest
 
 from server.config import ServerConfig
-from tests.server.test_http import CHAT, assert_error, make_client  # noqa: F401  (fixture)
+from tests.server.test_http import CHAT, assert_error
 
 KEY = "sk-test-123"
 
@@ -13,7 +13,10 @@ KEY = "sk-test-123"
 )
 def test_requests_without_the_key_get_401(make_client, headers):
     client, engine = make_client(api_key=KEY)
-    for response in (client.get("/v1/models", headers=headers), client.post("/v1/chat/completions", json=CHAT, headers=headers)):
+    for response in (
+        client.get("/v1/models", headers=headers),
+        client.post("/v1/chat/completions", json=CHAT, headers=headers),
+    ):
         assert_error(response, 401, code="invalid_api_key")
     assert engine.requests == []
 

@@ -16,4 +16,6 @@ def test_draft_and_companion_flags_reach_the_engine_config():
 def test_without_draft_flags_the_engine_owns_the_target_only():
     args = build_parser().parse_args(["serve"])
     config = engine_config(args)
-    assert config.model.draft_model is None and config.model.companion_model is None and config.spec.num_draft_tokens == 5
+    assert (
+        config.model.draft_model is None and config.model.companion_model is None and config.spec.num_draft_tokens == 5
+    )

@@ -32,7 +32,9 @@ def test_flag_names_defaults_and_choices_come_from_the_fields():
 
 def test_fields_without_help_are_not_flags():
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
-    assert "--seed" not in help_text and "--acceptance-prior" not in help_text and "--max-request-bytes" not in help_text
+    assert (
+        "--seed" not in help_text and "--acceptance-prior" not in help_text and "--max-request-bytes" not in help_text
+    )
 
 
 def test_a_config_turned_into_flags_parses_back_to_itself():

@@ -211,7 +211,8 @@ def test_choices_stream_interleaved_by_index_and_usage_counts_them_all(tokenizer
         for choice in chunk["choices"]:
             by_index[choice["index"]] += choice["delta"].get("content") or ""
     assert by_index == {0: "one two three", 1: "four five"}
-    assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]) == [0, 1]
+    assert sorted(c["choices"][0]["index"] for c in chunks
+                  if c["choices"] and c["choices"][0]["finish_reason"]) == [0, 1]
     num_tokens = sum(len(s.outputs) for s in sources)
     assert chunks[-1]["usage"]["completion_tokens"] == num_tokens and chunks[-1]["usage"]["prompt_tokens"] == 10
     assert chunks[-1]["spec_stats"]["num_drafts"] == 2 * SPEC.num_drafts

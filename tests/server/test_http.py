@@ -9,65 +9,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
 
-from engine.wire import EngineReady, StepStats
+from engine.wire import EngineReady
 from scheduler.admission import QueueFullError
-from server.app import build_app
-from server.config import Config, ServerConfig
 from server.engine_client import EngineDeadError, EngineRequestError
+from tests.server.conftest import MAX_MODEL_LEN, MODEL, StandInEngine
 
-MODEL = "SmolLM2-135M-Instruct"
-MAX_MODEL_LEN = 64
-READY = EngineReady(
-    model_name=MODEL, max_model_len=MAX_MODEL_LEN, eos_token_ids=[2], latency_ms_by_num_tokens={}, vocab_size=49152,
-)
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
-
-
-class StandInEngine:
-    def __init__(self, ready: EngineReady | None = READY, healthy: bool = True, submit_error=None, gave_up=None):
-        self.ready = ready
-        self.healthy = healthy
-        self.gave_up = gave_up
-        self.live = gave_up is None
-        self.num_restarts = 0 if healthy else 1
-        self.last_exit_reason = None if healthy else "signal: the engine process was killed by SIGKILL"
-        self.num_in_flight = 0
-        self.submit_error = submit_error
-        self.requests = []  # EngineRequests that reached generate
-        self.events = []  # "start" / "shutdown"
-        self.last_step_stats = StepStats(num_running=2, num_waiting=1, kv_cache_usage=0.25, num_sessions=3)
-        self.dead_reason = None if healthy else "killed by the test"
-        self.metrics = None
-
-    async def start(self):
-        self.events.append("start")
-
-    async def shutdown(self):
-        self.events.append("shutdown")
-
-    def generate(self, request):
-        self.requests.append(request)
-        return self._fail_at_submission()
-
-    async def _fail_at_submission(self):
-        raise self.submit_error or AssertionError("this test must not reach token generation")
-        yield  # an async generator, like EngineClient.generate
-
-    async def abort(self, request_id):
-        pass
-
-
-@pytest.fixture()
-def make_client(tokenizer):
-    def make(engine=None, **server_fields) -> tuple[TestClient, StandInEngine]:
-        engine = engine or StandInEngine()
-        app = build_app(Config(server=ServerConfig(**server_fields)), engine, tokenizer)
-        return TestClient(app, raise_server_exceptions=False), engine
-
-    return make
 
 
 def assert_error(response, status: int, param=None, code=None, type="invalid_request_error"):
@@ -81,10 +30,17 @@ def assert_error(response, status: int, param=None, code=None, type="invalid_req
 
 def test_invalid_json_is_400(make_client):
     client, _ = make_client()
-    response = client.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
+    response = client.post(
+        "/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"}
+    )
     assert_error(response, 400, code="invalid_json")
     assert_error(client.post("/v1/completions", content=b""), 400, code="invalid_json")
-    for body in (b'{"prompt": "\\ud800"}', b'{"prompt": "\xff\xfe"}', b'{"prompt": "a", "top_p": NaN}', b"[" * 100000 + b"]" * 100000):
+    for body in (
+        b'{"prompt": "\\ud800"}',
+        b'{"prompt": "\xff\xfe"}',
+        b'{"prompt": "a", "top_p": NaN}',
+        b"[" * 100000 + b"]" * 100000,
+    ):
         assert_error(client.post("/v1/completions", content=body, headers={"content-type": "application/json"}), 400,
                      code="invalid_json")  # strict JSON: nothing the tokenizer or the sampler would choke on
 
@@ -98,7 +54,8 @@ def test_invalid_json_is_400(make_client):
         ("/v1/chat/completions", {**CHAT, "logit_bias": {"49152": 5}}, "logit_bias"),  # outside the vocabulary
         ("/v1/chat/completions", {**CHAT, "logit_bias": {"7": -101}}, "logit_bias"),
         ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
-            "name": "x", "schema": {"type": "object", "if": {"type": "object"}}}}}, "response_format"),  # not compilable
+            "name": "x", "schema": {"type": "object", "if": {"type": "object"}}}}},
+         "response_format"),  # not compilable
         ("/v1/completions", {**COMPLETION, "response_format": {"type": "regex", "regex": "[a-"}}, "response_format"),
         ("/v1/completions", {**COMPLETION, "logprobs": 21}, "logprobs"),
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
@@ -170,7 +127,12 @@ def test_health_and_models_when_ready(make_client):
         "drafter_state_bytes": 0, "session_host_bytes": 0, "engine_restarts": 0, "last_engine_exit": None,
     }
     assert client.get("/health").json() == client.get("/health/ready").json() == expected
-    assert client.get("/health/live").json() == {"status": "live", "engine": "ready", "engine_restarts": 0, "last_engine_exit": None}
+    assert client.get("/health/live").json() == {
+        "status": "live",
+        "engine": "ready",
+        "engine_restarts": 0,
+        "last_engine_exit": None,
+    }
     models = client.get("/v1/models").json()
     assert models["object"] == "list"
     assert [(m["id"], m["object"]) for m in models["data"]] == [(MODEL, "model")]
@@ -234,7 +196,8 @@ def test_engine_request_carries_sampling_and_session(make_client, tokenizer):
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True
     )["input_ids"]
     sampling = chat_request.sampling
-    assert sampling.greedy and (sampling.top_k, sampling.seed, sampling.stop_token_ids) == (0, 7, [])  # the engine owns EOS
+    # the engine owns EOS
+    assert sampling.greedy and (sampling.top_k, sampling.seed, sampling.stop_token_ids) == (0, 7, [])
     assert sampling.max_tokens == MAX_MODEL_LEN - len(chat_request.prompt_token_ids)
     assert (chat_request.session_id, completion_request.session_id) == ("from-header", "from-body")
     assert completion_request.sampling.max_tokens == 4
@@ -260,16 +223,22 @@ TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": 
 )
 def test_tool_calls_that_cannot_be_forced_are_400(make_client, tools, tool_choice, param):
     client, engine = make_client()
-    assert_error(client.post("/v1/chat/completions", json={**CHAT, "tools": tools, "tool_choice": tool_choice}), 400, param)
+    assert_error(
+        client.post("/v1/chat/completions", json={**CHAT, "tools": tools, "tool_choice": tool_choice}), 400, param
+    )
     assert engine.requests == []
 
 
 def test_tools_reach_the_prompt_and_a_forced_call_its_grammar(make_client, tokenizer):
-    roomy = EngineReady(model_name=MODEL, max_model_len=4096, eos_token_ids=[2], latency_ms_by_num_tokens={}, vocab_size=49152)
+    roomy = EngineReady(
+        model_name=MODEL, max_model_len=4096, eos_token_ids=[2], latency_ms_by_num_tokens={}, vocab_size=49152
+    )
     client, engine = make_client(StandInEngine(ready=roomy, submit_error=QueueFullError()))
     for tool_choice in ("required", "auto", "none"):
         client.post("/v1/chat/completions", json={**CHAT, "tools": [TIME_TOOL], "tool_choice": tool_choice})
     required, auto, none = engine.requests
     assert "get_time" in required.sampling.grammar and auto.sampling.grammar is None and none.sampling.grammar is None
-    assert "<tools>" in tokenizer.decode(required.prompt_token_ids) and required.prompt_token_ids == auto.prompt_token_ids
+    assert (
+        "<tools>" in tokenizer.decode(required.prompt_token_ids) and required.prompt_token_ids == auto.prompt_token_ids
+    )
     assert "<tools>" not in tokenizer.decode(none.prompt_token_ids)

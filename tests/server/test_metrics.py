@@ -13,8 +13,16 @@ def test_step_stats_feed_gauges_and_per_drafter_counters():
     metrics = ServerMetrics(MODEL)
     spec = DraftStepStats(num_drafts=2, num_draft_tokens=7, num_accepted_tokens=4, num_accepted_per_position=[2, 1, 1])
     for _ in range(2):
-        metrics.observe_step(StepStats(num_running=3, num_waiting=1, num_offered_draft_tokens=9,
-                                       num_verified_draft_tokens=7, step_seconds=0.05, spec_by_drafter={"copyspec": spec}))
+        metrics.observe_step(
+            StepStats(
+                num_running=3,
+                num_waiting=1,
+                num_offered_draft_tokens=9,
+                num_verified_draft_tokens=7,
+                step_seconds=0.05,
+                spec_by_drafter={"copyspec": spec},
+            )
+        )
     assert sample(metrics, "num_requests_running") == 3 and sample(metrics, "num_requests_waiting") == 1
     assert sample(metrics, "spec_decode_num_drafts_total", drafter="copyspec") == 4
     assert sample(metrics, "spec_decode_num_draft_tokens_total", drafter="copyspec") == 14
@@ -49,9 +57,18 @@ def test_engine_health_gauge():
 
 def test_series_without_extra_labels_export_zero_before_any_step():
     metrics = ServerMetrics(MODEL)
-    for name in ("kv_cache_usage_perc", "num_preemptions_total", "session_cache_hits_total", "session_cache_misses_total",
-                 "session_cache_reused_prefix_tokens_total", "session_cache_evictions_total", "session_cache_num_sessions",
-                 "engine_healthy", "generation_tokens_total", "time_to_first_token_seconds_count"):
+    for name in (
+        "kv_cache_usage_perc",
+        "num_preemptions_total",
+        "session_cache_hits_total",
+        "session_cache_misses_total",
+        "session_cache_reused_prefix_tokens_total",
+        "session_cache_evictions_total",
+        "session_cache_num_sessions",
+        "engine_healthy",
+        "generation_tokens_total",
+        "time_to_first_token_seconds_count",
+    ):
         assert sample(metrics, name) == 0, name
 
 

@@ -49,7 +49,8 @@ def chat(**fields):
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]", "needs the tool_call_id"),
         ({"messages": [{"role": "tool", "tool_call_id": "c"}]}, "messages[0]", "needs content"),
         (
-            {"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}]},
+            {"messages": [{"role": "user", "content": "x",
+                           "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}]},
             "messages[0]",
             "only assistant messages",
         ),
@@ -124,7 +125,12 @@ def test_chat_request_defaults_and_normalisation():
 
 @pytest.mark.parametrize(
     "fields, expected",
-    [({"max_tokens": 7}, 7), ({"max_completion_tokens": 5}, 5), ({"max_tokens": 7, "max_completion_tokens": 5}, 5), ({}, None)],
+    [
+        ({"max_tokens": 7}, 7),
+        ({"max_completion_tokens": 5}, 5),
+        ({"max_tokens": 7, "max_completion_tokens": 5}, 5),
+        ({}, None),
+    ],
 )
 def test_chat_max_completion_tokens_wins_over_max_tokens(fields, expected):
     assert ChatCompletionRequest.model_validate(chat(**fields)).effective_max_tokens == expected

@@ -141,7 +141,11 @@ def calls_of(tool_calls) -> list[tuple[str, dict]]:
     "text, content, calls",
     [
         (CALL_PARIS, None, [("get_weather", {"city": "Paris", "unit": "celsius"})]),
-        (f"{CALL_PARIS}\n{CALL_TIME}\n", None, [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {})]),
+        (
+            f"{CALL_PARIS}\n{CALL_TIME}\n",
+            None,
+            [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {})],
+        ),
         (f"Checking.\n{CALL_TIME}", "Checking.", [("get_time", {})]),
         ('<tool_call>\n{"name": "get_time"}', None, [("get_time", {})]),  # cut before its closing tag
         ("Just text, <b>no calls</b>.\n", "Just text, <b>no calls</b>.\n", []),
@@ -166,7 +170,12 @@ def stream(pieces: list[str]):
 
 @pytest.mark.parametrize(
     "text",
-    [f"Checking.\n{CALL_PARIS}\n{CALL_TIME}\n", "plain <tool answer> text\n", "<tool_call>\nbad\n</tool_call>", CALL_TIME[:-3]],
+    [
+        f"Checking.\n{CALL_PARIS}\n{CALL_TIME}\n",
+        "plain <tool answer> text\n",
+        "<tool_call>\nbad\n</tool_call>",
+        CALL_TIME[:-3],
+    ],
 )
 def test_streamed_parsing_equals_whole_parsing_however_the_text_is_split(text):
     whole_content, whole_calls = parse_tool_calls(text)
@@ -207,7 +216,9 @@ def test_the_chat_formatter_streams_and_returns_tool_calls_in_openais_shapes(tok
     assert streamed[-1].choices[0].finish_reason == "tool_calls"
 
     usage = Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2)
-    reply = formatter.response([FinishedChoice(0, text, "stop"), FinishedChoice(1, "No.", "stop")], usage, SpecStatsInfo())
+    reply = formatter.response(
+        [FinishedChoice(0, text, "stop"), FinishedChoice(1, "No.", "stop")], usage, SpecStatsInfo()
+    )
     reply = openai_chat.ChatCompletion.model_validate(reply.model_dump(mode="json"))
     called, answered = reply.choices
     assert called.finish_reason == "tool_calls" and called.message.content == "Checking."

@@ -81,7 +81,8 @@ def sv_engine(tiny_model_dir, tmp_path_factory):
 def test_calibration_fits_a_table_per_model_triple_that_serving_loads_and_uses(sv_engine, tiny_model_dir):
     engine = sv_engine()
     table, report = calibrate_sv(engine, prompts(4, seed=21), max_tokens=24, greedy=True)
-    assert report["num_tokens"] > 0 and set(report["information_gain"]) >= {"entropy", "given_S_and_A", "information_gain"}
+    assert (report["num_tokens"] > 0
+            and set(report["information_gain"]) >= {"entropy", "given_S_and_A", "information_gain"})
     assert 0.0 <= report["brier_companion"] <= 1.0 and 0.0 <= report["brier_statistical"] <= 1.0
     fingerprints = sv_fingerprints(engine.model_fingerprint, engine.draft_forward, engine.companion_forward)
     table.save(sv_table_path(engine.cache_dir, fingerprints, greedy=True))
@@ -92,8 +93,11 @@ def test_calibration_fits_a_table_per_model_triple_that_serving_loads_and_uses(s
     assert set(drafter.tables) == {True}
     batch = prompts(4, seed=22)
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * len(batch)
-    plain = run_to_completion(Engine(EngineConfig(model=ModelConfig(model=tiny_model_dir, device="cpu"),
-                                                  cache=CacheConfig(0.05), spec=SpecConfig(drafter="none"))), batch, params)
+    plain = run_to_completion(
+        Engine(EngineConfig(model=ModelConfig(model=tiny_model_dir, device="cpu"), cache=CacheConfig(0.05),
+                            spec=SpecConfig(drafter="none"))),
+        batch, params,
+    )
     seen = []
     original = drafter._companion_estimates
     drafter._companion_estimates = lambda reqs: seen.append(original(reqs)) or seen[-1]

@@ -38,7 +38,10 @@ def test_the_lean_decoder_gives_transformers_logits_bit_for_bit(tiny_model_dir, 
     runners = [runner_for(tiny_model_dir, weights, lean, monkeypatch) for lean in (False, True)]
     tables = {"a": list(range(0, 8)), "b": list(range(8, 16))}
     steps = [
-        [chain_item([1, 5, 9, 13, 7, 3, 22, 4, 8], 0, tables["a"], BLOCK_SIZE, 9), chain_item([1, 30], 0, tables["b"], BLOCK_SIZE)],
+        [
+            chain_item([1, 5, 9, 13, 7, 3, 22, 4, 8], 0, tables["a"], BLOCK_SIZE, 9),
+            chain_item([1, 30], 0, tables["b"], BLOCK_SIZE),
+        ],
         [chain_item([11], 9, tables["a"], BLOCK_SIZE), chain_item(list(range(10, 28)), 2, tables["b"], BLOCK_SIZE, 3)],
         [tree_item([6, 7, 8, 9], [-1, 0, 0, 2], 10, tables["a"], BLOCK_SIZE, [0, 1, 2, 3])],
     ]

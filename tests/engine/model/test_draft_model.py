@@ -35,7 +35,9 @@ def plain(tiny_model_dir):
 
 @pytest.mark.parametrize("draft", ["early-exit:1", "separate"])
 @pytest.mark.parametrize("drafter,planner", [("draft", False), ("draft", True), ("copyspec+draft", False)])
-def test_greedy_output_with_a_draft_model_equals_plain_decoding(plain, tiny_model_dir, tiny_draft_model_dir, draft, drafter, planner):
+def test_greedy_output_with_a_draft_model_equals_plain_decoding(
+    plain, tiny_model_dir, tiny_draft_model_dir, draft, drafter, planner
+):
     engine = draft_engine(tiny_model_dir, tiny_draft_model_dir if draft == "separate" else draft, drafter, planner)
     batch = prompts(6, seed=3)
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * len(batch)
@@ -90,10 +92,16 @@ def test_a_separate_draft_model_splits_the_kv_memory_by_bytes_per_position(tiny_
 
 
 @pytest.mark.parametrize("draft", ["early-exit:1", "separate"])
-def test_every_models_kv_blocks_return_when_requests_finish_abort_or_are_preempted(tiny_model_dir, tiny_draft_model_dir, draft):
+def test_every_models_kv_blocks_return_when_requests_finish_abort_or_are_preempted(
+    tiny_model_dir, tiny_draft_model_dir, draft
+):
     # a pool of 20 blocks of 16 for 8 requests of up to ~120 positions: requests are preempted and recomputed
-    engine = draft_engine(tiny_model_dir, tiny_draft_model_dir if draft == "separate" else draft, block_size=16,
-                          kv_cache_memory_gib=20 * 16 * (2 * 2 * 2 * 8 * 4 + (2 * 1 * 2 * 8 * 4 if draft == "separate" else 0)) / 2**30)
+    engine = draft_engine(
+        tiny_model_dir,
+        tiny_draft_model_dir if draft == "separate" else draft,
+        block_size=16,
+        kv_cache_memory_gib=20 * 16 * (2 * 2 * 2 * 8 * 4 + (2 * 1 * 2 * 8 * 4 if draft == "separate" else 0)) / 2**30,
+    )
     blocks = engine.scheduler.blocks
     assert blocks.num_blocks == 20
     batch = prompts(8, seed=5)
@@ -132,7 +140,9 @@ def test_seeded_model_draft_requests_are_reproducible_for_the_same_drafts(tiny_m
     the same tokens run after run (the residual of a rejected draft depends on the draft, so the tokens may differ
     from those the same seed samples without speculation)."""
     batch = prompts(3, seed=11)
-    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, ignore_eos=True, seed=100 + i) for i in range(3)]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, ignore_eos=True, seed=100 + i) for i in range(3)
+    ]
     runs = [run_to_completion(draft_engine(tiny_model_dir, "early-exit:1"), batch, params) for _ in range(2)]
     assert {k: o.new_token_ids for k, o in runs[0].items()} == {k: o.new_token_ids for k, o in runs[1].items()}
     assert sum(o.spec.num_accepted_tokens for o in runs[0].values()) > 0

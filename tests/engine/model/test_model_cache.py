@@ -112,7 +112,10 @@ def test_the_cached_default_model_is_the_gguf_model(default_source):
     ).eval()
     cached_weights, gguf_weights = loaded.model.state_dict(), gguf.state_dict()
     assert cached_weights.keys() == gguf_weights.keys()
-    assert all(cached_weights[k].dtype == torch.float32 and torch.equal(cached_weights[k], gguf_weights[k]) for k in gguf_weights)
+    assert all(
+        cached_weights[k].dtype == torch.float32 and torch.equal(cached_weights[k], gguf_weights[k])
+        for k in gguf_weights
+    )
     input_ids = torch.arange(1, 200).unsqueeze(0) * 97 % 49152  # [1, 199]
     with torch.no_grad():
         assert torch.equal(loaded.model(input_ids).logits, gguf(input_ids).logits)
@@ -136,7 +139,8 @@ def test_the_cached_default_tokenizer_is_the_gguf_tokenizer(default_source):
     assert cached.get_vocab() == gguf.get_vocab()
     assert cached.chat_template == gguf.chat_template and cached.chat_template
     assert cached.special_tokens_map == gguf.special_tokens_map
-    assert (cached.eos_token_id, cached.bos_token_id, cached.pad_token_id) == (gguf.eos_token_id, gguf.bos_token_id, gguf.pad_token_id)
+    assert ((cached.eos_token_id, cached.bos_token_id, cached.pad_token_id)
+            == (gguf.eos_token_id, gguf.bos_token_id, gguf.pad_token_id))
     for text in TEXTS:
         for add_special_tokens in (True, False):
             ids = cached(text, add_special_tokens=add_special_tokens)["input_ids"]
@@ -144,5 +148,10 @@ def test_the_cached_default_tokenizer_is_the_gguf_tokenizer(default_source):
         assert cached.decode(ids) == gguf.decode(ids)
     for add_generation_prompt in (True, False):
         rendered = cached.apply_chat_template(MESSAGES, add_generation_prompt=add_generation_prompt, tokenize=False)
-        assert rendered == gguf.apply_chat_template(MESSAGES, add_generation_prompt=add_generation_prompt, tokenize=False)
-        assert cached(rendered, add_special_tokens=False)["input_ids"] == gguf(rendered, add_special_tokens=False)["input_ids"]
+        assert rendered == gguf.apply_chat_template(
+            MESSAGES, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        assert (
+            cached(rendered, add_special_tokens=False)["input_ids"]
+            == gguf(rendered, add_special_tokens=False)["input_ids"]
+        )

@@ -23,7 +23,14 @@ def models(tiny_model_dir):
     packed = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     config = packed.config
     head_dim = config.hidden_size // config.num_attention_heads
-    pool = PagedKVPool(config.num_hidden_layers, 64 * BLOCK_SIZE, config.num_key_value_heads, head_dim, torch.float32, torch.device("cpu"))
+    pool = PagedKVPool(
+        config.num_hidden_layers,
+        64 * BLOCK_SIZE,
+        config.num_key_value_heads,
+        head_dim,
+        torch.float32,
+        torch.device("cpu"),
+    )
     return reference, PackedModelRunner(packed, torch.device("cpu"), pool, BLOCK_SIZE)
 
 
@@ -35,7 +42,9 @@ def plain_logits(model, token_ids):
 
 def reference_logits(model, cache, token_ids, num_logits):
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([token_ids]), past_key_values=cache, use_cache=True, logits_to_keep=num_logits)
+        out = model(
+            input_ids=torch.tensor([token_ids]), past_key_values=cache, use_cache=True, logits_to_keep=num_logits
+        )
     return out.logits[0]
 
 
@@ -108,8 +117,14 @@ def test_every_tree_node_gets_the_logits_of_its_own_path_beside_a_chain_in_the_s
         chain_item(context, 0, blocks.grow("t", len(context)), BLOCK_SIZE),
         chain_item(other, 0, blocks.grow("c", len(other)), BLOCK_SIZE),
     ]))
-    tree = tree_item(TREE_TOKENS, TREE_PARENTS, len(context), blocks.grow("t", len(context) + len(TREE_TOKENS)), BLOCK_SIZE,
-                     logit_rows=list(range(len(TREE_TOKENS))))
+    tree = tree_item(
+        TREE_TOKENS,
+        TREE_PARENTS,
+        len(context),
+        blocks.grow("t", len(context) + len(TREE_TOKENS)),
+        BLOCK_SIZE,
+        logit_rows=list(range(len(TREE_TOKENS))),
+    )
     chain = chain_item([33, 34], len(other), blocks.grow("c", len(other) + 2), BLOCK_SIZE, num_logits=2)
     assert tree.positions == [9, 10, 11, 12, 10, 11, 11] and not tree.is_chain
     tree_logits, chain_logits = runner.execute(ForwardBatch([tree, chain])).logits
@@ -133,7 +148,9 @@ def test_after_the_accepted_branch_moves_into_place_the_next_step_sees_exactly_t
     blocks.shrink("t", num_cached)
     table = blocks.grow("t", num_cached + 2)
     logits = runner.execute(ForwardBatch([chain_item([40, 41], num_cached, table, BLOCK_SIZE, 2)])).logits[0]
-    torch.testing.assert_close(logits, plain_logits(reference, context + [8, 20, 21, 40, 41])[-2:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        logits, plain_logits(reference, context + [8, 20, 21, 40, 41])[-2:], rtol=1e-4, atol=1e-4
+    )
 
 
 def test_look_ahead_rows_return_their_logits_to_the_drafter_and_change_nothing_else(models):
@@ -149,7 +166,9 @@ def test_look_ahead_rows_return_their_logits_to_the_drafter_and_change_nothing_e
     item.drafter_rows = [2, 3]
     out = runner.execute(ForwardBatch([item]))
     torch.testing.assert_close(out.logits[0], plain_logits(reference, context + [22, 6])[-2:], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(out.drafter_logits[0], plain_logits(reference, context + [17, 18])[-2:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        out.drafter_logits[0], plain_logits(reference, context + [17, 18])[-2:], rtol=1e-4, atol=1e-4
+    )
 
 
 def test_captures_return_the_hidden_states_and_attention_rows_of_a_plain_forward(models):
@@ -165,7 +184,9 @@ def test_captures_return_the_hidden_states_and_attention_rows_of_a_plain_forward
     out_second = runner.execute(ForwardBatch([second], capture))
     with torch.inference_mode():
         plain = reference(input_ids=torch.tensor([context]), output_hidden_states=True, output_attentions=True)
-        branch = reference(input_ids=torch.tensor([context[:8] + [11]]), output_hidden_states=True, output_attentions=True)
+        branch = reference(
+            input_ids=torch.tensor([context[:8] + [11]]), output_hidden_states=True, output_attentions=True
+        )
     hidden = plain.hidden_states[1][0]  # [len, hidden] after the first decoder layer
     torch.testing.assert_close(out_first.hidden[0], hidden[:6], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out_second.hidden[0][:3], hidden[6:9], rtol=1e-4, atol=1e-5)
@@ -197,16 +218,20 @@ def test_flash_backend_matches_sdpa_on_cuda_with_a_tree_in_the_batch(tiny_model_
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).to(device).eval()
         config = model.config
         head_dim = config.hidden_size // config.num_attention_heads
-        pool = PagedKVPool(config.num_hidden_layers, 8 * FLASH_BLOCK_SIZE, config.num_key_value_heads, head_dim, torch.bfloat16, device)
+        pool = PagedKVPool(
+            config.num_hidden_layers, 8 * FLASH_BLOCK_SIZE, config.num_key_value_heads, head_dim, torch.bfloat16, device
+        )
         runner = PackedModelRunner(model, device, pool, FLASH_BLOCK_SIZE, backend)
         blocks = KVBlockManager(num_blocks=8, block_size=FLASH_BLOCK_SIZE)
         a, b = [1] + list(range(3, 40)), [1, 30, 31]
         logits[backend] = runner.execute(ForwardBatch([
-            chain_item(a, 0, blocks.grow("a", len(a)), FLASH_BLOCK_SIZE), chain_item(b, 0, blocks.grow("b", len(b)), FLASH_BLOCK_SIZE),
+            chain_item(a, 0, blocks.grow("a", len(a)), FLASH_BLOCK_SIZE),
+            chain_item(b, 0, blocks.grow("b", len(b)), FLASH_BLOCK_SIZE),
         ])).logits
         logits[backend] += runner.execute(ForwardBatch([
             chain_item([4, 8, 12], len(a), blocks.grow("a", len(a) + 3), FLASH_BLOCK_SIZE, 3),
-            tree_item(TREE_TOKENS, TREE_PARENTS, len(b), blocks.grow("b", len(b) + 7), FLASH_BLOCK_SIZE, list(range(7))),
+            tree_item(TREE_TOKENS, TREE_PARENTS, len(b), blocks.grow("b", len(b) + 7), FLASH_BLOCK_SIZE,
+                      list(range(7))),
         ])).logits
     for sdpa, flash in zip(logits["sdpa"], logits["flash"]):
         torch.testing.assert_close(flash, sdpa, rtol=2e-2, atol=2e-2)  # bfloat16 kernels sum in different orders
@@ -220,7 +245,9 @@ def test_a_forward_item_says_everything_as_plain_data():
 @pytest.mark.parametrize("attention", ["row-kernel", "matmuls"])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("weights", ["bfloat16", "int8", "int4", w4a8_param()])
-def test_a_tokens_logits_are_bit_identical_whatever_forward_computes_it(tiny_model_dir, path, weights, attention, monkeypatch):
+def test_a_tokens_logits_are_bit_identical_whatever_forward_computes_it(
+    tiny_model_dir, path, weights, attention, monkeypatch
+):
     """Batch invariance: one prefill of the whole sequence, token-by-token decoding beside another request, chains of
     drafts, and a tree whose path runs between other branches give every position exactly the same logits, with
     contexts on both sides of the attention's key-padding steps (with bfloat16 activations a last-bit difference
@@ -264,7 +291,14 @@ TREE_LAYOUTS = (
 def assert_batch_invariant(model, path, monkeypatch, vocab: int) -> None:
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
-    pool = PagedKVPool(config.num_hidden_layers, 400 * BLOCK_SIZE, config.num_key_value_heads, head_dim, torch.float32, torch.device("cpu"))
+    pool = PagedKVPool(
+        config.num_hidden_layers,
+        400 * BLOCK_SIZE,
+        config.num_key_value_heads,
+        head_dim,
+        torch.float32,
+        torch.device("cpu"),
+    )
     runner = PackedModelRunner(model, torch.device("cpu"), pool, BLOCK_SIZE)
     use_path(runner, path, monkeypatch)
     blocks = KVBlockManager(num_blocks=400, block_size=BLOCK_SIZE)
@@ -296,5 +330,6 @@ def assert_batch_invariant(model, path, monkeypatch, vocab: int) -> None:
             nodes = [tokens[start + depth] if depth is not None else 7 + row for row, depth in enumerate(layout.depths)]
             true_rows = [row for row, depth in enumerate(layout.depths) if depth is not None]
             tree = tree_item(nodes, layout.parents, start, blocks.grow(name, start + len(nodes)), BLOCK_SIZE, true_rows)
-            assert torch.equal(runner.execute(ForwardBatch([tree])).logits[0], whole[start:start + len(true_rows)]), (start, layout)
+            assert torch.equal(runner.execute(ForwardBatch([tree])).logits[0],
+                               whole[start:start + len(true_rows)]), (start, layout)
             blocks.free(name)

@@ -6,7 +6,9 @@ import torch
 from engine.model.w4a8 import W4A8Linear, available, concatenate
 from engine.model.weights import Q4Groups, gguf_q8_blocks
 
-pytestmark = pytest.mark.skipif(not available(), reason="--weights w4a8 needs AVX512-VNNI and a C++ compiler for its kernel")
+pytestmark = pytest.mark.skipif(
+    not available(), reason="--weights w4a8 needs AVX512-VNNI and a C++ compiler for its kernel"
+)
 
 
 def reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:

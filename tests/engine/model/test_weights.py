@@ -60,8 +60,11 @@ def test_a_ggufs_q4_1_blocks_map_onto_the_int4_groups_exactly():
     model = load_model(ModelConfig(weights="float32")).model
     config = model.config
     attention = model.model.layers[0].self_attn
-    for name, module, heads in (("attn_q", attention.q_proj, config.num_attention_heads),
-                                ("attn_k", attention.k_proj, config.num_key_value_heads), ("attn_v", attention.v_proj, None)):
+    for name, module, heads in (
+        ("attn_q", attention.q_proj, config.num_attention_heads),
+        ("attn_k", attention.k_proj, config.num_key_value_heads),
+        ("attn_v", attention.v_proj, None),
+    ):
         order = llama_row_order(module.out_features, heads) if heads else None
         groups = gguf_q4_groups(tensors[f"blk.0.{name}.weight"], order)
         assert torch.equal(dequantized(groups), module.weight.float()), name
