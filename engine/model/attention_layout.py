@@ -28,8 +28,9 @@ import torch
 # (engine/model/paged_attention.py): plain batched matmuls, with the softmax's sum taken by a matmul too (a matmul adds
 # along the keys in order, so masked keys anywhere, such as a tree's other branches, add exact zeros, where a
 # vectorised sum's lanes would shift), over query rows padded to a multiple of 4 per KV head (rows in a trailing
-# partial group of 4 take another kernel) and keys padded to a multiple of 64, at least 384 (MKL blocks fewer
-# keys differently). Measured on torch 2.13 with MKL; tests/engine/test_packed_runner.py checks it bit for bit.
+# partial group of 4 take another kernel) and keys padded to a multiple of 64, at least 384, each product over the
+# keys taken 64 keys at a time (a BLAS groups a longer sum by its own blocking, which differs between CPUs: MKL
+# regroups above 384 keys on some). tests/engine/model/test_packed_runner.py checks it bit for bit.
 KEY_MULTIPLE = 64
 MIN_KEYS = 384
 
