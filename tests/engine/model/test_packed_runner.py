@@ -21,17 +21,16 @@ BLOCK_SIZE = 4
 def models(tiny_model_dir):
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").eval()
     packed = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    config = packed.config
-    head_dim = config.hidden_size // config.num_attention_heads
-    pool = PagedKVPool(
-        config.num_hidden_layers,
-        64 * BLOCK_SIZE,
-        config.num_key_value_heads,
-        head_dim,
-        torch.float32,
-        torch.device("cpu"),
-    )
+    pool = float32_pool(packed.config, 64 * BLOCK_SIZE)
     return reference, PackedModelRunner(packed, torch.device("cpu"), pool, BLOCK_SIZE)
+
+
+def float32_pool(config, num_slots: int) -> PagedKVPool:
+    """A CPU pool of NUM_SLOTS float32 slots shaped for CONFIG's keys and values."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    return PagedKVPool(
+        config.num_hidden_layers, num_slots, config.num_key_value_heads, head_dim, torch.float32, torch.device("cpu")
+    )
 
 
 def plain_logits(model, token_ids):
@@ -289,16 +288,7 @@ TREE_LAYOUTS = (
 
 
 def assert_batch_invariant(model, path, monkeypatch, vocab: int) -> None:
-    config = model.config
-    head_dim = config.hidden_size // config.num_attention_heads
-    pool = PagedKVPool(
-        config.num_hidden_layers,
-        400 * BLOCK_SIZE,
-        config.num_key_value_heads,
-        head_dim,
-        torch.float32,
-        torch.device("cpu"),
-    )
+    pool = float32_pool(model.config, 400 * BLOCK_SIZE)
     runner = PackedModelRunner(model, torch.device("cpu"), pool, BLOCK_SIZE)
     use_path(runner, path, monkeypatch)
     blocks = KVBlockManager(num_blocks=400, block_size=BLOCK_SIZE)
