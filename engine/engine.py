@@ -11,14 +11,7 @@ from engine.batching import forward_batch
 from engine.config import CacheConfig, EngineConfig
 from engine.drafter_context import drafter_context
 from engine.grammar import GrammarError, Grammars
-from engine.model.draft_model import (
-    DraftForward,
-    DraftModel,
-    Reserve,
-    draft_pool,
-    load_draft_model,
-    reserve_nothing,
-)
+from engine.model.draft_model import DraftForward, DraftModel, Reserve, draft_pool, load_draft_model, reserve_nothing
 from engine.model.forward import ForwardBatch, ForwardOutput
 from engine.model.model_loader import LoadedModel, load_model
 from engine.model.packed_runner import PackedModelRunner
@@ -27,15 +20,7 @@ from engine.model.profiler import profile_forward_latency, profile_path_seconds
 from engine.model.tokenizer import load_tokenizer
 from engine.speculation import Speculation
 from engine.verifier import Verifier
-from engine.wire import (
-    EngineError,
-    EngineOutputs,
-    EngineReady,
-    EngineRequest,
-    RequestOutput,
-    StepStats,
-    TokenLogprob,
-)
+from engine.wire import EngineError, EngineOutputs, EngineReady, EngineRequest, RequestOutput, StepStats, TokenLogprob
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.latency import LatencyModel
 from scheduler.records import RequestUpdate, ScheduledRequest, SchedulerOutput, StepUpdate, Verification
