@@ -2,7 +2,7 @@
 
 A field is a flag when its metadata has a "help"; its flag name is "--" plus the field name with dashes, unless
 the metadata's "flag" names another. "choices" limits its values; "env" names an environment variable whose
-value, when set, replaces the default. A field whose default is a dataclass is a sub-config: its fields
+value, when set, replaces the default. A field whose type is a dataclass is a sub-config: its fields
 become flags of the same parser. `serve`, `calibrate` and every benchmark add their flags this way, and
 `config_as_argv` turns a config back into the flags that rebuild it (for the servers a benchmark starts).
 """
