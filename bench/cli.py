@@ -224,7 +224,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     **{name: mt_benchmark(name) for name in ("mt-redundant", "mt-bench", "humaneval", "gsm8k")},
     "spec-bench": Benchmark(
         "prompt lookup and PLD+ on Spec-Bench, with PLD+'s ablations",
-        lambda args, config, tokenizer, out: run_pld_plus_benchmark(args, config, tokenizer, out),
+        run_pld_plus_benchmark,
         lambda args: ["spec-bench", "mt-redundant"], lambda parser: add_limit_flag(parser, "20"), "pld-plus",
     ),
     "ngram": Benchmark("learning-free n-grams: the headline runs and the k x w grid", run_ngram_benchmark,

@@ -56,14 +56,14 @@ def benchmark_questions(data_dir: Path | None, limit: int) -> list[dict]:
     return chosen
 
 
-def engine_runner(args, config, drafter: str, **spec):
+def engine_runner(config, drafter: str, **spec):
     return EngineRunner(Engine(config.with_drafter(drafter, **spec)))
 
 
 def make_runners(args, config) -> dict:
-    runners = {name: engine_runner(args, config, name) for name in ("none", "pld", "copyspec")}
+    runners = {name: engine_runner(config, name) for name in ("none", "pld", "copyspec")}
     for ranking in ("hidden", "attention"):
-        runners[f"pld-plus-{ranking}"] = engine_runner(args, config, "pld-plus", pld_plus_ranking=ranking)
+        runners[f"pld-plus-{ranking}"] = engine_runner(config, "pld-plus", pld_plus_ranking=ranking)
     runners["hf-pld"] = HFRunner(load_model(config.with_drafter("none").model), prompt_lookup=True)
     return runners
 
@@ -99,7 +99,7 @@ def run_ablations(args, config, tokenizer, num_layers: int) -> list[dict]:
     settings += [("K", k, {"pld_plus_max_tokens": k}) for k in K_VALUES]
     rows = []
     for knob, value, spec in tqdm(settings, desc="ablations"):
-        runner = engine_runner(args, config, "pld-plus", **spec)
+        runner = engine_runner(config, "pld-plus", **spec)
         generations = [runner.generate(prompt, ABLATION_MAX_TOKENS) for prompt in prompts]
         rows.append(ablation_row(knob, value, generations))
         del runner

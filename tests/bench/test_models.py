@@ -11,24 +11,9 @@ def test_each_round_asks_the_next_questions_and_wraps_past_the_end():
 
 
 def test_a_rows_figures_are_totals_over_its_rounds_not_means_of_their_ratios():
-    batches = [
-        {
-            "prompts": [[1]],
-            "outputs": [[7] * 30],
-            "seconds": 1.0,
-            "drafts": 10,
-            "verified_draft_tokens": 20,
-            "accepted_draft_tokens": 15,
-        },
-        {
-            "prompts": [[2]],
-            "outputs": [[8] * 10],
-            "seconds": 3.0,
-            "drafts": 0,
-            "verified_draft_tokens": 0,
-            "accepted_draft_tokens": 0,
-        },
-    ]
+    keys = ("prompts", "outputs", "seconds", "drafts", "verified_draft_tokens", "accepted_draft_tokens")
+    batches = [dict(zip(keys, ([[1]], [[7] * 30], 1.0, 10, 20, 15))),
+               dict(zip(keys, ([[2]], [[8] * 10], 3.0, 0, 0, 0)))]
     total = totals(batches)
     assert total["prompts"] == [[1], [2]] and total["outputs"] == [[7] * 30, [8] * 10]
     assert total["tokens_per_s"] == 10.0  # 40 tokens in 4 s (the mean of 30 and 3.3 tok/s would be 16.7)
