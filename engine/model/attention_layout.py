@@ -13,10 +13,20 @@ are the cached ones followed by its own nodes' keys, in order, so a node's atten
 path had been drafted as a chain (masking the other branches' keys in place would move the path's terms along the
 keys, and a float32 matmul's sum depends on where its terms sit). Each node is computed once, in the first path that
 holds it; every path re-reads the context.
+
+Sliding windows (Gemma 2/3, Mistral, Phi-3, per layer): a query at position p sees a key only if the key's position
+is above p - window, as transformers' masks say (masking_utils.sliding_window_overlay). A layout records each mask
+row's query position and each key's position (`MaskPositions`): cached key i sits at position i, a new key at its
+token's position (for a chain or a tree path that is its KV index; a tree attended in place has its nodes at their
+depths' positions, past their KV indices), so each row's window keeps the same keys as its path drafted as a chain,
+however deep the tree. A windowed mask is the full mask narrowed so, made on the first layer that asks for that
+window and reused by the step's others (`windowed_mask`). A row keeps its keys at the same KV indices, so it
+computes the same bits in every forward, as without a window. Keys that fall out of every window stay in the pool:
+attention skips them, nothing frees them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +43,34 @@ import torch
 # regroups above 384 keys on some). tests/engine/model/test_packed_runner.py checks it bit for bit.
 KEY_MULTIPLE = 64
 MIN_KEYS = 384
+PADDING_POSITION = -1  # the query position of a padding row: no key falls out of its window
+
+
+@dataclass
+class MaskPositions:
+    """The positions a sliding window compares, shaped to broadcast against the mask they belong to (kept on the
+    CPU: only a layer with a window reads them, on its device)."""
+
+    queries: torch.Tensor  # [..., rows, 1] each mask row's query position (padding rows: PADDING_POSITION)
+    keys: torch.Tensor  # [..., 1, L] each key's position
+    last: int  # the latest query position: a window longer than it hides no key
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> the narrowed mask, made once
+
+    @staticmethod
+    def of(queries: torch.Tensor, keys: torch.Tensor) -> MaskPositions:
+        return MaskPositions(queries, keys, int(queries.max()))
+
+
+def windowed_mask(mask: torch.Tensor, positions: MaskPositions | None, window: int | None) -> torch.Tensor:
+    """MASK narrowed to WINDOW (a query at p sees keys at positions above p - window), made on first use and kept
+    in POSITIONS for the step's other layers; MASK itself where no window applies or none hides a key."""
+    if window is None or positions is None or positions.last < window:
+        return mask
+    narrowed = positions.windowed.get(window)
+    if narrowed is None:
+        visible = positions.keys > positions.queries - window
+        narrowed = positions.windowed[window] = mask & visible.to(mask.device)
+    return narrowed
 
 
 @dataclass
@@ -48,8 +86,10 @@ class AttentionGroup:
     packed_index: torch.Tensor  # [n] packed index of those queries
     tail_keys: torch.Tensor | None = None  # [m] flat indices into the gathered [R * blocks * block_size] keys that
     tail_slots: torch.Tensor | None = None  # [m] take these pool slots' keys instead (a tree path's nodes)
+    positions: MaskPositions | None = None  # the query and key positions sliding windows compare
     scratch: torch.Tensor | None = None  # buffers the layers gather keys and values into, made by the first layer
-    blocked: torch.Tensor | None = None  # the CPU path's padded, inverted mask (paged_attention._blocked), likewise
+    # window (None: none) -> the CPU path's padded, inverted mask (paged_attention._blocked), likewise
+    blocked: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -61,7 +101,9 @@ class InPlaceSpan:
     first_slot: int  # pool slot of its KV index 0
     context_len: int  # L, padded (padded_key_len)
     mask: torch.Tensor  # [1, 1, heads_per_kv_head * Q, L] True where a query may look
-    blocked: torch.Tensor | None = None  # the CPU path's padded, inverted mask (paged_attention._blocked), made once
+    positions: MaskPositions | None = None  # the query and key positions sliding windows compare
+    # window (None: none) -> the CPU path's padded, inverted mask (paged_attention._blocked), made once
+    blocked: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,6 +118,9 @@ class GroupMember:
     query_rows: list[int] | None = None  # packed indices of its queries when they are not query_start onwards
     tail_slots: list[int] | None = None  # pool slots of its last keys when they are not where the block table says
     ancestors: torch.Tensor | None = None  # a tree attended in place: [n, n] ancestor_matrix of its new tokens
+    # positions of its last keys (its new tokens, or a tree path's nodes), its queries the last query_len of them;
+    # None: every key's position is its KV index
+    positions: list[int] | None = None
 
 
 def tree_paths(member: GroupMember, parents: list[int], slots: list[int]) -> list[GroupMember]:
@@ -94,6 +139,7 @@ def tree_paths(member: GroupMember, parents: list[int], slots: list[int]) -> lis
         chains.append(GroupMember(
             member.query_start, len(new), num_cached + len(path), member.block_table,
             query_rows=[member.query_start + row for row in new], tail_slots=[slots[row] for row in path],
+            positions=[member.positions[row] for row in path] if member.positions is not None else None,
         ))
     return chains
 
@@ -134,6 +180,39 @@ def query_mask(
     return mask
 
 
+def member_positions(member: GroupMember, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query positions [query_len], key positions [num_keys]) of one sequence: a key's position is its KV index
+    but for the last keys that MEMBER gives positions (a tree's nodes sit at their depth)."""
+    given = _last_positions(member)
+    keys = torch.arange(num_keys)
+    keys[member.context_len - len(given):member.context_len] = torch.tensor(given, dtype=torch.long)
+    return torch.tensor(given[len(given) - member.query_len:], dtype=torch.long), keys
+
+
+def _last_positions(member: GroupMember) -> list[int]:
+    """The positions of MEMBER's last keys, its queries the last query_len of them."""
+    if member.positions is not None:
+        return list(member.positions)
+    return list(range(member.context_len - member.query_len, member.context_len))
+
+
+def _layout_positions(members: list[GroupMember], max_q: int, max_len: int, heads_per_kv_head: int) -> MaskPositions:
+    """The positions of a [R, 1, heads_per_kv_head * Q, L] mask's rows and keys (padding rows: PADDING_POSITION),
+    as `member_positions` gives them, written in one go."""
+    queries = torch.full((len(members), max_q), PADDING_POSITION)
+    keys = torch.arange(max_len).repeat(len(members), 1)
+    query_at, key_at, query_positions, key_positions = [], [], [], []
+    for r, member in enumerate(members):
+        given = _last_positions(member)
+        key_at += range(r * max_len + member.context_len - len(given), r * max_len + member.context_len)
+        key_positions += given
+        query_at += range(r * max_q, r * max_q + member.query_len)
+        query_positions += given[len(given) - member.query_len:]
+    keys.view(-1)[torch.tensor(key_at)] = torch.tensor(key_positions)
+    queries.view(-1)[torch.tensor(query_at)] = torch.tensor(query_positions)
+    return MaskPositions.of(_tile_mask(queries[:, None, :, None], heads_per_kv_head), keys[:, None, None])
+
+
 def _chain_masks(members: list[GroupMember], max_q: int, max_len: int) -> torch.Tensor:
     """[R, Q, L] causal masks of chains, built in one go: query i of a chain sees keys up to its own position."""
     offsets = torch.arange(max_q)
@@ -166,6 +245,7 @@ def build_group(
     group = AttentionGroup(
         query_index.to(device), table.to(device), block_size, max_len, mask,
         real.flatten().nonzero()[:, 0].to(device), query_index[real].to(device),
+        positions=_layout_positions(members, max_q, max_len, heads_per_kv_head),
     )
     _add_tail_keys(group, members, max_blocks * block_size, device)
     return group
@@ -191,7 +271,8 @@ def in_place_span(member: GroupMember, first_slot: int, heads_per_kv_head: int, 
     num_keys = padded_key_len(member.context_len)
     mask = query_mask(member, member.query_len, num_keys, member.ancestors)[None, None]
     mask = _tile_mask(mask, heads_per_kv_head).to(device)
-    return InPlaceSpan(member.query_start, member.query_len, first_slot, num_keys, mask)
+    positions = _layout_positions([member], member.query_len, num_keys, heads_per_kv_head)
+    return InPlaceSpan(member.query_start, member.query_len, first_slot, num_keys, mask, positions)
 
 
 def padded_key_len(num_keys: int) -> int:

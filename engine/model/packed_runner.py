@@ -2,7 +2,8 @@
 
 The runner takes everything from its input: tokens, positions, slots, block tables,
 attention structure, the rows to return and the captures. It reads no scheduler
-object and allocates nothing.
+object and allocates nothing. The layout carries every query's and key's position, so each layer can narrow its
+attention to its own sliding window (engine/model/attention_layout.py).
 """
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import torch
 from engine.model.attention_layout import (
     FlashMetadata,
     GroupMember,
+    MaskPositions,
     ancestor_matrix,
     build_group,
     contiguous_first_slot,
     in_place_span,
+    member_positions,
     padded_key_len,
     query_mask,
     tree_paths,
@@ -172,9 +175,11 @@ class PackedModelRunner:
         num_blocks = -(-item.context_len // self.block_size)
         ancestors = ancestor_matrix(item.parents) if item.parents is not None else None
         mask = query_mask(member, item.num_tokens, item.context_len, ancestors)[item.attention_rows]
+        queries, keys = member_positions(member, item.context_len)
         return AttentionCapture(
             index, self._tensor([member.query_start + row for row in item.attention_rows]),
             self._tensor(item.block_table[:num_blocks]), item.context_len, mask.to(self.device),
+            MaskPositions.of(queries[item.attention_rows, None], keys[None]),
         )
 
     def _ensure_hidden_hook(self, hidden_layer: int) -> None:
@@ -237,4 +242,4 @@ def _starts(items: list[ForwardItem]) -> list[int]:
 
 
 def _member(item: ForwardItem, start: int) -> GroupMember:
-    return GroupMember(start, item.num_tokens, item.context_len, item.block_table)
+    return GroupMember(start, item.num_tokens, item.context_len, item.block_table, positions=item.positions)

@@ -13,6 +13,11 @@ through transformers' public AttentionInterface, so their model code stays trans
   for the batch's chains; a tree in the same batch goes through SDPA. Imported lazily.
 Captures: the attention rows of chosen heads are recomputed here (softmax(q k^T * scale) under the sequence's mask),
 since SDPA and flash-attn return no weights.
+Sliding windows: a layer that has one (`sliding_window`: Gemma 2/3's local layers, Mistral, Phi-3) attends, on every
+path and in the captures, to the keys whose positions are above the query's minus the window: SDPA and the CPU paths
+through the layout's mask narrowed to the window (attention_layout.windowed_mask, made once per step and window),
+flash-attn through its own `window_size` (a chain's keys sit at their positions). KV outside every window of a
+sequence is not freed: it stays in the pool, and only attention skips it.
 """
 from __future__ import annotations
 
@@ -23,7 +28,14 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from engine.model.attention_layout import KEY_MULTIPLE, AttentionGroup, FlashMetadata, InPlaceSpan
+from engine.model.attention_layout import (
+    KEY_MULTIPLE,
+    AttentionGroup,
+    FlashMetadata,
+    InPlaceSpan,
+    MaskPositions,
+    windowed_mask,
+)
 from engine.model.cpu_kernels import has_avx512
 
 ATTENTION_NAME = "specserve_paged"
@@ -76,6 +88,7 @@ class AttentionCapture:
     block_table: torch.Tensor  # [blocks] the sequence's pool blocks
     context_len: int
     mask: torch.Tensor  # [rows, context_len] True where a query may look
+    positions: MaskPositions | None = None  # the query and key positions sliding windows compare
 
 
 @dataclass
@@ -119,25 +132,25 @@ def _gather_group(layer_pool: torch.Tensor, group: AttentionGroup, into: torch.T
 
 
 def _attend_heads_as_rows(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: AttentionGroup | InPlaceSpan, scaling: float | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: AttentionGroup | InPlaceSpan, scaling: float | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """SDPA for grouped-query attention with the query heads that share a KV head folded into extra query rows of
     that head, so every KV head is read once (on CPU cheaper than `enable_gqa`, which reads it per query head).
 
     q [R, heads, Q, head_dim]; k, v [R, kv_heads, L, head_dim]; WHERE's mask [R, 1, Q * heads / kv_heads, L]
-    (already tiled) -> [R, heads, Q, head_dim].
+    (already tiled), narrowed to the sliding WINDOW if any -> [R, heads, Q, head_dim].
     """
     num_reqs, heads, query_len, head_dim = q.shape
     rows = q.reshape(num_reqs, k.shape[1], heads // k.shape[1] * query_len, head_dim)
     scale = scaling if scaling is not None else head_dim ** -0.5
+    mask = windowed_mask(where.mask, where.positions, window)
     if rows.device.type == "cpu" and _row_kernel_runs():
-        o = torch.ops.specserve.row_attention(rows, k, v, where.mask, scale, heads // k.shape[1])
+        o = torch.ops.specserve.row_attention(rows, k, v, mask, scale, heads // k.shape[1])
     elif rows.device.type == "cpu":
-        if where.blocked is None:  # the same in every layer of the step: made once
-            where.blocked = _blocked(where.mask)
-        o = _row_invariant_attention(rows, k, v, where.blocked, scale)
+        o = _row_invariant_attention(rows, k, v, _blocked_of(where, mask, window), scale)
     else:
-        o = F.scaled_dot_product_attention(rows, k, v, attn_mask=where.mask, scale=scaling)
+        o = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scaling)
     return o.reshape(num_reqs, heads, query_len, head_dim)  # CUDA kernels may return other strides
 
 
@@ -153,6 +166,16 @@ def skips_masked_keys(device: torch.device) -> bool:
     each row's bits those of its path drafted as a chain (engine/model/attention_layout.py), and a sequence read in
     place pays nothing for the padding keys after its own."""
     return device.type == "cpu" and _row_kernel_runs()
+
+
+def _blocked_of(where: AttentionGroup | InPlaceSpan, mask: torch.Tensor, window: int | None) -> torch.Tensor:
+    """`_blocked` of WHERE's MASK (its full mask or its narrowing to WINDOW): the same in every layer of the step
+    that has that window, so made once."""
+    key = None if mask is where.mask else window
+    blocked = where.blocked.get(key)
+    if blocked is None:
+        blocked = where.blocked[key] = _blocked(mask)
+    return blocked
 
 
 def _blocked(mask: torch.Tensor) -> torch.Tensor:
@@ -218,7 +241,10 @@ def _matmuls(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.bmm(a[:, h], b[:, h]) for h in range(heads)], dim=1)
 
 
-def _sdpa(packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float | None, out: torch.Tensor) -> None:
+def _sdpa(
+    packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float | None, out: torch.Tensor,
+    window: int | None = None,
+) -> None:
     """packed_query, out: [total, heads, head_dim]; fills the rows of the grouped and in-place sequences."""
     keys, values = batch.pool.keys[layer], batch.pool.values[layer]
     for group in batch.groups:
@@ -230,7 +256,7 @@ def _sdpa(packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: f
             )
         k = _gather_group(keys, group, group.scratch[0]).transpose(1, 2)
         v = _gather_group(values, group, group.scratch[1]).transpose(1, 2)
-        o = _attend_heads_as_rows(q, k, v, group, scaling).transpose(1, 2)  # [R, Q, heads, head_dim]
+        o = _attend_heads_as_rows(q, k, v, group, scaling, window).transpose(1, 2)  # [R, Q, heads, head_dim]
         out[group.packed_index] = o.reshape(num_reqs * max_q, *o.shape[2:])[group.valid]
     for span in batch.spans:
         queries = slice(span.query_start, span.query_start + span.query_len)
@@ -238,12 +264,15 @@ def _sdpa(packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: f
         q = packed_query[queries].transpose(0, 1)[None]  # [1, heads, Q, head_dim]
         k = keys[positions].transpose(0, 1)[None]  # [1, kv_heads, L, head_dim], a view of the pool
         v = values[positions].transpose(0, 1)[None]
-        out[queries] = _attend_heads_as_rows(q, k, v, span, scaling)[0].transpose(0, 1)
+        out[queries] = _attend_heads_as_rows(q, k, v, span, scaling, window)[0].transpose(0, 1)
 
 
 def _flash(
-    packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float | None, out: torch.Tensor
+    packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float | None, out: torch.Tensor,
+    window: int | None = None,
 ) -> None:
+    """Fills the chains' rows. A chain's keys sit at their positions, so flash-attn's window, counted back from each
+    query's own key, is the sliding window: window - 1 keys before it and itself."""
     from flash_attn import flash_attn_varlen_func  # CUDA only; CPU installs never import it
 
     meta, pool = batch.flash, batch.pool
@@ -259,12 +288,16 @@ def _flash(
         max_seqlen_k=meta.max_seqlen_k,
         softmax_scale=scaling,
         causal=True,  # aligned to the bottom right: query i of q sees the first L - q + i + 1 positions
+        window_size=(window - 1, 0) if window is not None else (-1, -1),
         block_table=meta.block_table,
     )
 
 
-def _capture_attention(packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float) -> None:
-    """The capture heads' attention rows of this layer, per sequence that asked: [rows, heads, L] each."""
+def _capture_attention(
+    packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float, window: int | None = None
+) -> None:
+    """The capture heads' attention rows of this layer, per sequence that asked: [rows, heads, L] each (zero on the
+    keys outside the layer's sliding WINDOW)."""
     heads = batch.capture_heads.get(layer)
     if not heads:
         return
@@ -277,21 +310,24 @@ def _capture_attention(packed_query: torch.Tensor, layer: int, batch: PackedBatc
         q = packed_query[capture.query_index][:, heads].float()  # [rows, heads, head_dim]
         k = keys[:, kv_heads].float()  # [L, heads, head_dim]
         scores = torch.einsum("rhd,lhd->rhl", q, k) * scaling
-        scores = scores.masked_fill(~capture.mask[:, None, :], float("-inf"))
+        mask = windowed_mask(capture.mask, capture.positions, window)
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
         batch.captured_attention[(capture.item, layer)] = torch.softmax(scores, dim=-1)
 
 
 def paged_attention(
     layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, packed_batch: PackedBatch,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Writes the new tokens' keys and values into the pool, then attends. query [total, heads, head_dim]; key, value
-    [total, kv_heads, head_dim] -> [total, heads, head_dim]."""
+    """Writes the new tokens' keys and values into the pool, then attends, within SLIDING_WINDOW positions of each
+    query where the layer has one (keys outside it stay in the pool, unread). query [total, heads, head_dim]; key,
+    value [total, kv_heads, head_dim] -> [total, heads, head_dim]."""
     packed_batch.pool.write(layer, key, value, packed_batch.write_slots)
     out = torch.empty_like(query)
     if packed_batch.flash is not None:
-        _flash(query, layer, packed_batch, scaling, out)
-    _sdpa(query, layer, packed_batch, scaling, out)
-    _capture_attention(query, layer, packed_batch, scaling)
+        _flash(query, layer, packed_batch, scaling, out, sliding_window)
+    _sdpa(query, layer, packed_batch, scaling, out, sliding_window)
+    _capture_attention(query, layer, packed_batch, scaling, sliding_window)
     return out
 
 
@@ -304,15 +340,16 @@ def paged_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     packed_batch: PackedBatch | None = None,
+    sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: query [1, heads, total, head_dim]; key, value [1, kv_heads, total, head_dim]
-    -> [1, total, heads, head_dim]."""
+    -> [1, total, heads, head_dim]. The modules of windowed models pass their layer's SLIDING_WINDOW."""
     if packed_batch is None:
         raise ValueError(f"{ATTENTION_NAME} attention needs a packed_batch argument")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     packed = (t[0].transpose(0, 1) for t in (query, key, value))
-    return paged_attention(module.layer_idx, *packed, scaling, packed_batch)[None], None
+    return paged_attention(module.layer_idx, *packed, scaling, packed_batch, sliding_window)[None], None
 
 
 def flash_attn_available(device: torch.device) -> bool:

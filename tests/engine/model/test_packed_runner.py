@@ -12,7 +12,7 @@ from engine.model.forward import ForwardBatch, ForwardItem, chain_item, slots_of
 from engine.model.packed_runner import PackedModelRunner
 from engine.model.paged_attention import PagedKVPool
 from scheduler.kv_blocks import KVBlockManager
-from tests.engine.helpers import w4a8_param
+from tests.engine.helpers import gguf_param
 
 BLOCK_SIZE = 4
 
@@ -243,7 +243,7 @@ def test_a_forward_item_says_everything_as_plain_data():
 
 @pytest.mark.parametrize("attention", ["row-kernel", "matmuls"])
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("weights", ["bfloat16", "int8", "int4", w4a8_param()])
+@pytest.mark.parametrize("weights", ["bfloat16", "int8", "int4", gguf_param()])
 def test_a_tokens_logits_are_bit_identical_whatever_forward_computes_it(
     tiny_model_dir, path, weights, attention, monkeypatch
 ):
@@ -252,16 +252,45 @@ def test_a_tokens_logits_are_bit_identical_whatever_forward_computes_it(
     contexts on both sides of the attention's key-padding steps (with bfloat16 activations a last-bit difference
     would move them by far more than greedy's near-tie allowance). Not so in float32, whose Linear kernels round a
     product of few rows differently (there differences stay ~1e-5, within the near-tie rule)."""
-    import engine.model.paged_attention as paged_attention
     from engine.model.weights import apply_weights
+
+    use_attention(attention, monkeypatch)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    apply_weights(model, weights)
+    assert_batch_invariant(model, path, monkeypatch, vocab=40)
+
+
+@pytest.mark.parametrize("attention", ["row-kernel", "matmuls"])
+@pytest.mark.parametrize("path", PATHS)
+def test_a_tokens_logits_are_bit_identical_whatever_forward_computes_it_within_a_sliding_window(
+    path, attention, monkeypatch
+):
+    """The same with a sliding window (Mistral's, 100 positions here) that the sequence outgrows: a row's keys keep
+    their KV indices, so the keys outside its window are masked keys like the padding and the other branches, and
+    its sum over the keys it sees is grouped the same in every forward."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from engine.model.weights import apply_weights
+
+    use_attention(attention, monkeypatch)
+    torch.manual_seed(1234)
+    config = MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, sliding_window=100,
+    )
+    model = MistralForCausalLM(config).eval()
+    apply_weights(model, "bfloat16")
+    assert_batch_invariant(model, path, monkeypatch, vocab=40)
+
+
+def use_attention(attention: str, monkeypatch) -> None:
+    """Makes CPU attention run the row kernel or, as CPUs without AVX-512 do, the batched matmuls."""
+    import engine.model.paged_attention as paged_attention
 
     if attention == "matmuls":  # the path of CPUs without AVX-512 (engine/model/csrc/row_attention.cpp needs it)
         monkeypatch.setattr(paged_attention, "_row_kernel_runs", lambda: False)
     elif not paged_attention._row_kernel_runs():
         pytest.skip("the row attention kernel needs AVX-512 and a C++ compiler")
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    apply_weights(model, weights)
-    assert_batch_invariant(model, path, monkeypatch, vocab=40)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -271,7 +300,7 @@ def test_the_default_model_is_batch_invariant_with_the_weights_it_is_served_with
     from engine.model.model_loader import load_model
 
     loaded = load_model(ModelConfig())
-    assert loaded.weights in ("w4a8", "int4", "float32")  # auto: what this host serves the embedded model with
+    assert loaded.weights in ("gguf", "float32")  # auto: what this host serves the embedded model with
     assert_batch_invariant(loaded.model, path, monkeypatch, vocab=40000)
 
 

@@ -1,10 +1,18 @@
 """The CPU attention path of machines without the row kernel (AVX2): batched matmuls whose rows come out bit for
-bit the same whatever the padding keys after them."""
+bit the same whatever the padding keys after them. The masks a layer with a sliding window attends under."""
 import pytest
 import torch
 
 import engine.model.paged_attention as paged_attention
-from engine.model.attention_layout import KEY_MULTIPLE
+from engine.model.attention_layout import (
+    KEY_MULTIPLE,
+    GroupMember,
+    ancestor_matrix,
+    build_group,
+    member_positions,
+    tree_paths,
+    windowed_mask,
+)
 
 
 @pytest.mark.parametrize("num_keys", [448, 512, 1024])
@@ -25,3 +33,35 @@ def test_a_rows_attention_ignores_how_many_padding_keys_follow_its_own(num_keys)
         )
 
     assert 384 % KEY_MULTIPLE == 0 and torch.equal(attend(384), attend(num_keys))
+
+
+def test_a_sliding_window_hides_the_keys_a_window_back_from_each_querys_position_made_once_per_window():
+    """A chain and a tree attended in place share a call: each row keeps the keys of its full mask whose positions
+    are above its query's minus the window, a tree's nodes at their depths' positions, whatever their KV indices;
+    padding rows keep theirs. The narrowed mask is made once per window and reused; a window no query outgrows
+    leaves the full mask."""
+    chain = GroupMember(0, 3, 40, [0] * 10, positions=[37, 38, 39])
+    # cached 26; rows 0-1-2 a branch, row 3 a sibling of row 1: positions 26, 27, 28, 27 at KV indices 26 to 29
+    tree = GroupMember(3, 4, 30, [0] * 10, ancestors=ancestor_matrix([-1, 0, 1, 0]), positions=[26, 27, 28, 27])
+    group = build_group([chain, tree], block_size=4, heads_per_kv_head=2, device=torch.device("cpu"))
+    window = 8
+    narrowed = windowed_mask(group.mask, group.positions, window)
+    assert windowed_mask(group.mask, group.positions, window) is narrowed
+    assert windowed_mask(group.mask, group.positions, 40) is group.mask  # the latest query is at 39
+
+    def seen(r: int, row: int) -> list[int]:
+        assert torch.equal(narrowed[r, 0, row], narrowed[r, 0, 4 + row])  # the second query head's copy
+        return narrowed[r, 0, row].nonzero().flatten().tolist()
+
+    assert seen(0, 2) == list(range(32, 40)) and seen(0, 0) == list(range(30, 38))
+    assert seen(1, 2) == [21, 22, 23, 24, 25, 26, 27, 28]
+    assert seen(1, 3) == [20, 21, 22, 23, 24, 25, 26, 29]
+    assert torch.equal(narrowed[0, 0, 3], group.mask[0, 0, 3])  # the chain's padding row
+
+
+def test_tree_paths_keep_the_positions_of_their_nodes():
+    tree = GroupMember(0, 4, 30, [0] * 10, positions=[26, 27, 28, 27])
+    paths = tree_paths(tree, [-1, 0, 1, 0], slots=[100, 101, 102, 103])
+    assert [p.positions for p in paths] == [[26, 27, 28], [26, 27]]
+    queries, keys = member_positions(paths[1], 32)
+    assert queries.tolist() == [27] and keys[26:28].tolist() == [26, 27] and keys[29] == 29
