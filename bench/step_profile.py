@@ -33,7 +33,7 @@ DRAFT_LEN = 15  # drafted tokens per request in a verify step: 16 tokens with th
 CONTEXT_LEN = 512  # tokens of each request's context when it is measured
 PHASES = ("schedule", "forward", "verify", "update", "draft", "wire")
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
-              "specserve::w4a8_linear",
+              "specserve::block_linear",
               "aten::mkldnn_linear", "aten::_mkl_linear")
 ATTENTION_OPS = ("specserve::row_attention", "scaled_dot_product", "aten::index_select", "aten::index_put_",
                  "aten::masked_fill", "aten::einsum")

@@ -12,7 +12,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # engine/model/weights.py's modes, kept here so that the config imports no torch
-WEIGHT_MODES = ("auto", "float32", "bfloat16", "int8", "int4", "w4a8")
+WEIGHT_MODES = ("auto", "float32", "bfloat16", "int8", "int4", "gguf")
 
 
 @dataclass(frozen=True)
@@ -31,9 +31,9 @@ class ModelConfig:
         "help": "where tables and calibrations derived from the model are kept (default: $XDG_CACHE_HOME/specserve)"})
     weights: str = field(default="auto", metadata={"choices": WEIGHT_MODES, "help": (
         "how Linear layers keep their weights on the CPU: float32, bfloat16, int8 or int4 (weight-only kernels; "
-        "a GGUF's Q4 blocks map onto int4 directly), or w4a8 (the GGUF's blocks with activations rounded to 8 bits, "
-        "multiplied in integers as llama.cpp does; AVX512-VNNI). auto: w4a8, else int4, for a Q4 GGUF on an "
-        "AVX-512 CPU, else float32")})
+        "a GGUF's 4-bit blocks map onto int4 directly), or gguf (each tensor in its GGUF block type, activations "
+        "rounded to 8 bits, multiplied in integers as llama.cpp does; AVX512-VNNI or AVX2). auto: gguf for a "
+        "quantised GGUF where the kernels run, else float32")})
     draft_model: str | None = field(default=None, metadata={"help": (
         "a draft model for --drafter draft / copyspec+draft: early-exit:N (the target's first N layers and its LM "
         "head, sharing its weights and KV) or what --model takes (same vocabulary as the target)")})

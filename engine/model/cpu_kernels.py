@@ -1,14 +1,16 @@
 """specserve's own CPU kernels (engine/model/csrc): built once per host, loaded once per process.
 
-- `torch.ops.specserve.w4a8_linear` (engine/model/w4a8.py): 4- or 8-bit weight blocks times activations rounded to
-  8 bits, summed in integers (AVX512-VNNI).
+- `torch.ops.specserve.block_linear` (engine/model/block_linear.py): GGUF-style weight blocks times activations
+  rounded to 8 bits, summed in integers (AVX512-VNNI or AVX2, chosen at run time).
 - `torch.ops.specserve.row_attention` (engine/model/paged_attention.py): attention one query row at a time over the
   keys it may see (AVX-512F).
 
 Compiled on first use with a C++ compiler and ninja (~1 min; `make setup` does it, the CPU image at build time)
 into the user cache, keyed by the sources, the flags and torch's version. Each kernel is compiled for its
-instruction set with target attributes, so the module loads on any x86-64 CPU; `has_vnni`/`has_avx512` say what
-runs here. Where the build fails (no compiler) the engine runs torch's own kernels and says so in the log.
+instruction set with target attributes, so the module loads on any x86-64 CPU; `cpu_isa`/`has_avx512`
+say what runs here. SPECSERVE_CPU_ISA caps them: `avx2` leaves only the AVX2 variants (to run them on an AVX-512
+machine), `none` none of the kernels. Where the build fails (no compiler) the engine runs torch's own kernels and
+says so in the log.
 """
 from __future__ import annotations
 
@@ -26,7 +28,10 @@ logger = logging.getLogger("specserve.engine")
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 # -fopenmp: at::parallel_for is a header template that splits work over torch's OpenMP threads only when the
 # extension is compiled with OpenMP; it then links the libgomp.so.1 that torch has already loaded (same soname)
-CFLAGS = ("-O3", "-fopenmp")
+# -ffp-contract=off: no fused multiply-adds unless a kernel asks for them, so block_linear's float32 steps round as
+# written (a reference reproduces them bit for bit, and its AVX2 and AVX512 variants agree)
+CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
+ISAS = ("avx512vnni", "avx2")  # block_linear's variants, best first
 
 
 @cache
@@ -53,13 +58,35 @@ def kernels():
         return None
 
 
-def has_vnni() -> bool:
-    """Whether w4a8_linear runs here."""
+def isa_cap() -> str | None:
+    """The best instruction set SPECSERVE_CPU_ISA allows: None (no cap), "avx2", or "none" (no kernels)."""
+    cap = os.environ.get("SPECSERVE_CPU_ISA", "").strip().lower()
+    if cap in ("", "auto", "avx512vnni", "avx512"):
+        return None
+    if cap not in ("avx2", "none"):
+        raise ValueError(f"SPECSERVE_CPU_ISA must be avx512vnni, avx2 or none, got {cap!r}")
+    return cap
+
+
+def isa_supported(isa: str) -> bool:
+    """Whether this CPU and the built module run block_linear's ISA variant, whatever the cap."""
     module = kernels()
-    return module is not None and module.has_vnni()
+    if module is None:
+        return False
+    return {"avx512vnni": module.has_vnni, "avx2": module.has_avx2}[isa]()
+
+
+def cpu_isa() -> str | None:
+    """The variant of block_linear to run here: the best this CPU has within the cap ("avx512vnni", "avx2"), or
+    None."""
+    cap = isa_cap()
+    if cap == "none":
+        return None
+    allowed = ISAS[ISAS.index(cap):] if cap else ISAS
+    return next((isa for isa in allowed if isa_supported(isa)), None)
 
 
 def has_avx512() -> bool:
-    """Whether row_attention runs here."""
+    """Whether row_attention runs here (not under an AVX2 cap)."""
     module = kernels()
-    return module is not None and module.has_avx512()
+    return module is not None and isa_cap() is None and module.has_avx512()

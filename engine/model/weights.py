@@ -1,36 +1,42 @@
-"""How the target's Linear layers keep and multiply their weights: `--weights auto|float32|bfloat16|int8|int4|w4a8`.
+"""How the target's Linear layers keep and multiply their weights: `--weights auto|float32|bfloat16|int8|int4|gguf`.
 
 - float32: the weights as loaded (a GGUF dequantized exactly to float32).
 - bfloat16: weights rounded to bfloat16; each Linear multiplies in bfloat16 (oneDNN).
 - int8: weight-only int8, one symmetric scale per output channel, activations in bfloat16 (`_weight_int8pack_mm`).
 - int4: weight-only 4-bit in groups of 32 with a scale and a zero per group (`_weight_int4pack_mm_for_cpu`),
-  activations in bfloat16. A GGUF's Q4_1 blocks (w = d q + m) map onto it without requantising: scale d, zero m + 8d,
-  the same codes; Q4_0 (w = d (q - 8)) with zero 0. Not exact: the kernel takes scales, zeros and activations in
-  bfloat16, so d and m lose 3 of their 10 mantissa bits. Other GGUF types, and models that are not GGUF, are
-  quantised to 4 bits by each group's range (min to max). The output layer (a GGUF's tied Q8_0 embedding) stays int8.
-- w4a8: the same 4-bit blocks (float32 scales and minimums) and a Q8_0 output layer's own 8-bit blocks, activations
-  rounded to 8 bits per block of 32 and products summed in integers, as llama.cpp does on the CPU (engine/model/w4a8.py;
-  needs AVX512-VNNI).
+  activations in bfloat16. A GGUF's 4-bit blocks (Q4_0, Q4_1, Q4_K: w = d q + m) map onto it without requantising:
+  scale d, zero m + 8d, the same codes. Not exact: the kernel takes scales, zeros and activations in bfloat16, so d
+  and m lose 3 of their 10 mantissa bits. Other weights are quantised to 4 bits by each group's range (min to max).
+  The output layer stays int8.
+- gguf: every Linear, the output layer included, in its GGUF block type's own codes and scales (Q4_0, Q4_1, Q5_0,
+  Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; engine/model/gguf_blocks.py), tensor by tensor, activations rounded to 8 bits per
+  block of 32 and products summed in integers as llama.cpp does on the CPU (engine/model/block_linear.py: AVX512-VNNI
+  or AVX2). Weights of other types, or of models that are not GGUF, are rounded to 4 bits by range; an output layer
+  stored as floats to 8 bits per block.
 The served model is the one these weights make: speculation is exact against plain decoding of the same mode
-(tests/engine/test_weights.py), not against float32. Norms, attention and the residual stream stay in the model's dtype.
+(tests/engine/model/test_weights.py), not against float32. Norms, attention and the residual stream stay in the
+model's dtype.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engine.config import WEIGHT_MODES  # the choices live with the config, which imports no torch
-from engine.model import w4a8
+from engine.model import block_linear
+from engine.model.blocks import BlockWeights
+from engine.model.gguf_blocks import BLOCK_TYPES, block_weights
 
 logger = logging.getLogger("specserve.engine")
 GROUP_SIZE = 32  # weights per int4 group: a GGUF Q4 block
 INT4_CHANNEL_MULTIPLE = 16  # the int4 CPU kernel needs output channels in multiples of 16
 INT4_PACK_BLOCK = 64  # it packs output channels in blocks of 64: whole blocks' packings concatenate (tested)
-GGUF_LINEARS = {  # transformers' Llama module name -> the GGUF tensor of layer i
+OUTPUT_ROWS_CHECKED = 1024  # rows of the output layer compared with the loaded weights (the vocabulary is large)
+GGUF_LINEARS = {  # transformers' module name -> the GGUF tensor of layer i
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
@@ -69,29 +75,6 @@ class Int8Linear(torch.nn.Module):
                 .reshape(*shape[:-1], self.out_features))
 
 
-@dataclass
-class Q4Groups:
-    """4-bit codes and per-group affine parameters: w[n, k] = scale[n, g] * q[n, k] + min[n, g], g = k // 32."""
-
-    codes: torch.Tensor  # [out, in] int32 in 0..15
-    scales: torch.Tensor  # [out, in / 32] float32
-    mins: torch.Tensor  # [out, in / 32] float32
-
-    @property
-    def zeros(self) -> torch.Tensor:
-        """The int4 kernel's zero point, which it adds to scale * (q - 8)."""
-        return self.mins + 8 * self.scales
-
-    @classmethod
-    def by_range(cls, weight: torch.Tensor) -> Q4Groups:
-        """Round each group of 32 to 16 levels between its minimum and maximum (for weights not stored as Q4)."""
-        groups = weight.float().reshape(weight.shape[0], -1, GROUP_SIZE)
-        low, high = groups.amin(-1), groups.amax(-1)
-        step = ((high - low) / 15).clamp_min(1e-12)
-        codes = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32)
-        return cls(codes.reshape(weight.shape), step, low)
-
-
 class Int4Linear(torch.nn.Module):
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
         """packed: the kernel's packing of [out, in] 4-bit codes; scales_and_zeros [in / 32, out, 2]."""
@@ -106,8 +89,12 @@ class Int4Linear(torch.nn.Module):
         return cls(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1), scales_and_zeros)
 
     @classmethod
-    def from_groups(cls, groups: Q4Groups) -> Int4Linear:
-        return cls.from_codes(groups.codes, torch.stack([groups.scales.T, groups.zeros.T], dim=-1))
+    def from_blocks(cls, blocks: BlockWeights) -> Int4Linear:
+        """4-bit unsigned blocks (w = scale q + min): the kernel adds its zero to scale * (q - 8)."""
+        if blocks.signed or blocks.bits != 4:
+            raise ValueError("int4 takes 4-bit unsigned blocks (BlockWeights.by_range rounds any weights to them)")
+        zeros = blocks.mins + 8 * blocks.scales
+        return cls.from_codes(blocks.codes.to(torch.int32), torch.stack([blocks.scales.T, zeros.T], dim=-1))
 
     def codes(self) -> torch.Tensor:
         """The 4-bit codes back, [out, in] int32, read by the kernel itself (its packing is blocked by output channel
@@ -126,70 +113,33 @@ class Int4Linear(torch.nn.Module):
         return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
 
-def gguf_q4_groups(tensor, row_order: np.ndarray | None) -> Q4Groups | None:
-    """A GGUF Q4_0 or Q4_1 tensor as Q4Groups, exactly; None for other types. ROW_ORDER undoes llama.cpp's
-    q/k row permutation, as transformers does when it loads the weights (whole rows move, blocks stay intact)."""
-    from gguf import GGMLQuantizationType
-
-    kind = tensor.tensor_type
-    if kind not in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
-        return None
-    block_bytes = 18 if kind == GGMLQuantizationType.Q4_0 else 20  # fp16 d (and fp16 m), then 16 bytes of codes
-    raw = np.asarray(tensor.data)
-    rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, block_bytes)
-    d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
-    m = (np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32) if block_bytes == 20
-         else None)
-    packed = blocks[:, :, block_bytes - 16:]
-    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=2).reshape(rows, -1).astype(np.int32)  # low nibbles first
-    mins = m if m is not None else -8 * d
-    if row_order is not None:
-        codes, d, mins = codes[row_order], d[row_order], mins[row_order]
-    return Q4Groups(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(d), torch.from_numpy(mins))
-
-
-def gguf_q8_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """A GGUF Q8_0 tensor (w = d q, blocks of 32) as (codes [rows, cols] int32, scales and zero minimums
-    [rows, cols / 32] float32), exactly; None for other types."""
-    from gguf import GGMLQuantizationType
-
-    if tensor.tensor_type != GGMLQuantizationType.Q8_0:
-        return None
-    raw = np.asarray(tensor.data)
-    blocks = raw.reshape(raw.shape[0], -1, 34)  # float16 d, then 32 signed codes
-    d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
-    codes = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(raw.shape[0], -1).astype(np.int32)
-    scales = torch.from_numpy(d)
-    return torch.from_numpy(codes), scales, torch.zeros_like(scales)
-
-
 def llama_row_order(num_rows: int, num_heads: int) -> np.ndarray:
-    """The rows transformers reads a GGUF q/k weight in (the inverse of llama.cpp's rotary permutation)."""
+    """The rows transformers reads a Llama-architecture GGUF's q/k weight in (the inverse of llama.cpp's rotary
+    permutation)."""
     return np.arange(num_rows).reshape(num_heads, num_rows // num_heads // 2, 2).swapaxes(2, 1).reshape(-1)
 
 
 def resolve_weights(mode: str, device: torch.device, gguf_path: str | None) -> str:
-    """The mode `auto` stands for. For a GGUF of Q4 weights on a CPU with AVX-512: w4a8 where its kernel builds and
-    the CPU has VNNI (verifying drafts costs least there), else int4. Otherwise float32, and on CUDA the model's dtype
-    as loaded (float32 names it)."""
-    if mode == "w4a8" and not w4a8.available():
-        raise ValueError("--weights w4a8 needs a CPU with AVX512-VNNI and a C++ compiler to build its kernel "
-                         "(see the log)")
+    """The mode `auto` stands for: gguf for a GGUF with quantised blocks on a CPU where the integer kernels run
+    (AVX512-VNNI or AVX2, and a C++ compiler), else float32, with a log line saying why."""
+    if mode == "gguf" and not block_linear.available():
+        raise ValueError("--weights gguf needs a CPU with AVX2 or AVX512-VNNI and a C++ compiler to build its "
+                         "kernels (see the log)")
     if mode != "auto":
         return mode
-    if device.type != "cpu" or not (gguf_path and gguf_is_q4(gguf_path)):
+    if device.type != "cpu" or not (gguf_path and gguf_has_blocks(gguf_path)):
         return "float32"
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+    if not block_linear.available():
+        logger.warning("serving the GGUF's weights as float32: the integer kernels need a CPU with AVX2 or "
+                       "AVX512-VNNI and a C++ compiler to build them (see the lines above), or SPECSERVE_CPU_ISA "
+                       "forbids them")
         return "float32"
-    return "w4a8" if w4a8.available() else "int4"
+    return "gguf"
 
 
-def gguf_is_q4(path: str) -> bool:
-    from gguf import GGMLQuantizationType, GGUFReader
-
-    kinds = {t.tensor_type for t in GGUFReader(path).tensors if t.name.endswith(("attn_q.weight", "ffn_up.weight"))}
-    return bool(kinds) and kinds <= {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1}
+def gguf_has_blocks(path: str) -> bool:
+    """Whether any of the GGUF's tensors is in a block type the integer kernels multiply."""
+    return any(t.tensor_type in BLOCK_TYPES for t in gguf_tensors(path).values())
 
 
 @torch.no_grad()
@@ -199,35 +149,57 @@ def apply_weights(model: torch.nn.Module, mode: str, gguf_path: str | None = Non
         return
     if mode not in WEIGHT_MODES[1:]:
         raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {mode!r}")
-    tensors = _gguf_tensors(gguf_path) if mode in ("int4", "w4a8") and gguf_path else {}
-    num_exact = 0
+    tensors = gguf_tensors(gguf_path) if mode in ("int4", "gguf") and gguf_path else {}
+    kinds: dict[str, int] = {}
     for i, layer in enumerate(model.model.layers):
-        for name in GGUF_LINEARS:
+        for name, gguf_name in GGUF_LINEARS.items():
             parent_name, child_name = name.split(".")
             parent = getattr(layer, parent_name)
-            linear = getattr(parent, child_name)
-            replacement, exact = _replacement(
-                model.config, mode, linear, tensors.get(f"blk.{i}.{GGUF_LINEARS[name]}.weight"), child_name
-            )
+            heads = {"q_proj": model.config.num_attention_heads, "k_proj": model.config.num_key_value_heads}
+            tensor = tensors.get(f"blk.{i}.{gguf_name}.weight")
+            blocks = file_blocks(getattr(parent, child_name).weight, tensor, heads.get(child_name))
+            replacement, kept = _replacement(mode, getattr(parent, child_name), blocks)
             setattr(parent, child_name, replacement)
-            num_exact += exact
-    model.lm_head = _output_layer(mode, model.lm_head, tensors.get("output.weight") or tensors.get("token_embd.weight"))
-    if mode in ("int4", "w4a8"):
-        total = len(model.model.layers) * len(GGUF_LINEARS)
-        logger.info("%s weights: %d of %d Linear layers mapped from the GGUF's Q4 blocks, the rest rounded by range",
-                    mode, num_exact, total)
+            kind = tensor.tensor_type.name if kept else "rounded by range"
+            kinds[kind] = kinds.get(kind, 0) + 1
+    output = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    model.lm_head = _output_layer(mode, model.lm_head, output)
+    if mode in ("int4", "gguf"):
+        logger.info("%s weights: Linear layers by the type they are kept in: %s", mode, dict(sorted(kinds.items())))
+
+
+def file_blocks(weight: torch.Tensor, tensor, num_heads: int | None, max_rows: int | None = None
+                ) -> BlockWeights | None:
+    """TENSOR's blocks laid out as the loaded WEIGHT (transformers undoes llama.cpp's rotary row permutation of a
+    Llama-architecture GGUF's q/k rows; other architectures keep the file's order): the order whose dequantized
+    blocks equal WEIGHT (its first MAX_ROWS rows), or None where the type has no kernel or neither order matches."""
+    if tensor is None or tensor.tensor_type not in BLOCK_TYPES:
+        return None
+    orders = [None] + ([llama_row_order(weight.shape[0], num_heads)] if num_heads else [])
+    for order in orders:
+        blocks = block_weights(tensor, order)
+        rows = slice(0, max_rows)
+        if blocks.shape == tuple(weight.shape) and torch.equal(
+            BlockWeights(blocks.codes[rows], blocks.scales[rows], None if blocks.signed else blocks.mins[rows],
+                         blocks.bits, blocks.sub).dequantize(), weight[rows].float()
+        ):
+            return blocks
+    logger.warning("%s: its %s blocks do not give the loaded weights; rounding them by range", tensor.name,
+                   tensor.tensor_type.name)
+    return None
 
 
 def _output_layer(mode: str, lm_head: torch.nn.Module, gguf_tensor) -> torch.nn.Module:
     if mode == "bfloat16":
         return Bf16Linear(lm_head.weight)
-    if mode != "w4a8":
+    if mode != "gguf":
         return Int8Linear.from_weight(lm_head.weight)
-    blocks = gguf_q8_blocks(gguf_tensor) if gguf_tensor is not None else None
-    return w4a8.W4A8Linear.from_blocks(*blocks, bits=8) if blocks else w4a8.W4A8Linear.int8_from_weight(lm_head.weight)
+    blocks = file_blocks(lm_head.weight, gguf_tensor, None, max_rows=OUTPUT_ROWS_CHECKED)
+    return block_linear.BlockLinear.from_blocks(blocks or BlockWeights.int8_symmetric(lm_head.weight))
 
 
-def _replacement(config, mode: str, linear: torch.nn.Linear, gguf_tensor, name: str) -> tuple[torch.nn.Module, bool]:
+def _replacement(mode: str, linear: torch.nn.Linear, blocks: BlockWeights | None) -> tuple[torch.nn.Module, bool]:
+    """The Linear of MODE for LINEAR, and whether it keeps the file's BLOCKS as they are."""
     if linear.bias is not None:
         raise ValueError(f"--weights {mode} supports Linear layers without bias only")
     if mode == "bfloat16":
@@ -236,15 +208,26 @@ def _replacement(config, mode: str, linear: torch.nn.Linear, gguf_tensor, name: 
         return Int8Linear.from_weight(linear.weight), False
     if linear.out_features % INT4_CHANNEL_MULTIPLE or linear.in_features % GROUP_SIZE:
         raise ValueError(f"--weights {mode} needs layers of multiples of {INT4_CHANNEL_MULTIPLE} x {GROUP_SIZE}")
-    groups = None
-    if gguf_tensor is not None:
-        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name)
-        groups = gguf_q4_groups(gguf_tensor, llama_row_order(linear.out_features, heads) if heads else None)
-    exact = groups is not None
-    groups = groups or Q4Groups.by_range(linear.weight)
-    if mode == "w4a8":
-        return w4a8.W4A8Linear.from_blocks(groups.codes, groups.scales, groups.mins, bits=4), exact
-    return Int4Linear.from_groups(groups), exact
+    if mode == "int4" and blocks is not None and (blocks.signed or blocks.bits != 4):
+        blocks = None  # int4 keeps only 4-bit blocks as they are
+    kept = blocks is not None
+    blocks = blocks or BlockWeights.by_range(linear.weight)
+    if mode == "gguf":
+        return block_linear.BlockLinear.from_blocks(blocks), kept
+    return Int4Linear.from_blocks(blocks), kept
+
+
+class ConcatenatedLinear(torch.nn.Module):
+    """Linear layers that cannot share one kernel call (different block types), called one after another and their
+    outputs concatenated: what fusing them gives when their weights do not concatenate."""
+
+    def __init__(self, parts: list[torch.nn.Module]) -> None:
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+        self.out_features = sum(part.out_features for part in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
 class OutputSlice(torch.nn.Module):
@@ -286,8 +269,11 @@ def _concatenate(parts: list[torch.nn.Module]) -> torch.nn.Module:
         if all(p.out_features % INT4_PACK_BLOCK == 0 for p in parts):  # whole blocks: the packings concatenate
             return Int4Linear(torch.cat([p.packed for p in parts]), scales_and_zeros)
         return Int4Linear.from_codes(torch.cat([p.codes() for p in parts]), scales_and_zeros)
-    if kind.__name__ == "W4A8Linear":
-        return w4a8.concatenate(parts)
+    if kind is block_linear.BlockLinear:
+        try:
+            return block_linear.concatenate(parts)
+        except ValueError:  # different block types (a Q5_0 query beside a Q8_0 value may fuse; Q4_K beside Q6_K not)
+            return ConcatenatedLinear(parts)
     if kind is Int8Linear:
         return Int8Linear(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]))
     if kind is Bf16Linear:
@@ -311,7 +297,9 @@ def _float_linear(parts: list[torch.nn.Linear]) -> torch.nn.Linear:
     return fused
 
 
-def _gguf_tensors(path: str) -> dict:
+@cache
+def gguf_tensors(path: str) -> dict:
+    """The GGUF's tensors by name, memory-mapped (read once per process: a large vocabulary takes seconds)."""
     from gguf import GGUFReader
 
     return {tensor.name: tensor for tensor in GGUFReader(path).tensors}

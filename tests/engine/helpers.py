@@ -34,9 +34,9 @@ def run_to_completion(
     return finals
 
 
-def w4a8_param() -> "pytest.param":
-    """The w4a8 weight mode as a test parameter, skipped (with the reason) where its kernel cannot run."""
-    from engine.model.w4a8 import available
+def gguf_param() -> "pytest.param":
+    """The gguf weight mode as a test parameter, skipped (with the reason) where its kernels cannot run."""
+    from engine.model.block_linear import available
 
-    return pytest.param("w4a8", marks=pytest.mark.skipif(
-        not available(), reason="--weights w4a8 needs AVX512-VNNI and a C++ compiler for its kernel"))
+    return pytest.param("gguf", marks=pytest.mark.skipif(
+        not available(), reason="--weights gguf needs AVX2 or AVX512-VNNI and a C++ compiler for its kernels"))

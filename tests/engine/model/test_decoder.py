@@ -1,20 +1,20 @@
 """The lean decoder: transformers' logits bit for bit, in fewer calls; fused Linear layers compute their parts'
 numbers; which models it serves."""
-from dataclasses import astuple
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 import engine.model.packed_runner as packed_runner
+from engine.model.blocks import BlockWeights
 from engine.model.decoder import supports
 from engine.model.forward import ForwardBatch, chain_item, tree_item
 from engine.model.paged_attention import PagedKVPool
-from engine.model.weights import Bf16Linear, Int4Linear, Int8Linear, OutputSlice, Q4Groups, apply_weights, fuse_linears
-from tests.engine.helpers import w4a8_param
+from engine.model.weights import Bf16Linear, Int4Linear, Int8Linear, OutputSlice, apply_weights, fuse_linears
+from tests.engine.helpers import gguf_param
 
 BLOCK_SIZE = 4
-MODES = ["float32", "bfloat16", "int8", "int4", w4a8_param()]
+MODES = ["float32", "bfloat16", "int8", "int4", gguf_param()]
 
 
 def runner_for(model_dir, weights, lean, monkeypatch):
@@ -71,11 +71,11 @@ def linears(kind: str, sizes: list[int], in_features: int = 64) -> list[torch.nn
         return [Bf16Linear(weight) for weight in weights]
     if kind == "int8":
         return [Int8Linear.from_weight(weight) for weight in weights]
-    if kind == "w4a8":
-        from engine.model.w4a8 import W4A8Linear
+    if kind == "gguf":
+        from engine.model.block_linear import BlockLinear
 
-        return [W4A8Linear.from_blocks(*astuple(Q4Groups.by_range(weight)), bits=4) for weight in weights]
-    return [Int4Linear.from_groups(Q4Groups.by_range(weight)) for weight in weights]
+        return [BlockLinear.from_blocks(BlockWeights.by_range(weight)) for weight in weights]
+    return [Int4Linear.from_blocks(BlockWeights.by_range(weight)) for weight in weights]
 
 
 def _float_linear(weight: torch.Tensor) -> torch.nn.Linear:
@@ -116,8 +116,8 @@ def test_int4_parts_of_whole_packing_blocks_concatenate_without_unpacking():
 
 
 def test_the_int4_codes_come_back_from_the_kernels_packing():
-    groups = Q4Groups.by_range(torch.randn(80, 64, generator=torch.Generator().manual_seed(4)))
-    assert torch.equal(Int4Linear.from_groups(groups).codes(), groups.codes)
+    blocks = BlockWeights.by_range(torch.randn(80, 64, generator=torch.Generator().manual_seed(4)))
+    assert torch.equal(Int4Linear.from_blocks(blocks).codes(), blocks.codes.to(torch.int32))
 
 
 def test_llama_form_models_get_the_lean_decoder_and_others_transformers_forward(tiny_model_dir):

@@ -1,5 +1,5 @@
-"""Weight modes: each Linear replacement computes with the weights it claims, a GGUF's Q4 blocks map onto the int4
-kernel exactly, and speculation is exact against plain decoding of the same weights."""
+"""Weight modes: each Linear replacement computes with the weights it claims, a GGUF's blocks map onto the kernels
+exactly, and speculation is exact against plain decoding of the same weights."""
 import numpy as np
 import pytest
 import torch
@@ -8,35 +8,29 @@ from bench.exactness import divergence_verdict
 from drafters.config import SpecConfig
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
+from engine.model.blocks import BlockWeights
 from engine.model.model_source import resolve_model_source
-from engine.model.weights import Int4Linear, Int8Linear, Q4Groups, gguf_q4_groups, llama_row_order
+from engine.model.weights import Int4Linear, Int8Linear, file_blocks, gguf_tensors, llama_row_order
 from engine.wire import SamplingParams
 from scheduler.config import SchedulerConfig
-from tests.engine.helpers import run_to_completion, w4a8_param
+from tests.engine.helpers import gguf_param, run_to_completion
 from tests.engine.test_engine import prompts
 
 
-def dequantized(groups: Q4Groups) -> torch.Tensor:
-    """[out, in] float32 weights the groups stand for."""
-    step = groups.scales.repeat_interleave(32, dim=1)
-    zero = groups.zeros.repeat_interleave(32, dim=1)
-    return step * (groups.codes.float() - 8) + zero
+def int4_weights(blocks: BlockWeights, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[out, in] float32 weights the int4 kernel multiplies by: scale (q - 8) + zero, scales and zeros in DTYPE."""
+    scales = blocks.scales.to(dtype).float()
+    zeros = (blocks.mins + 8 * blocks.scales).to(dtype).float()
+    return scales.repeat_interleave(32, dim=1) * (blocks.codes.float() - 8) + zeros.repeat_interleave(32, dim=1)
 
 
-def test_the_int4_kernel_multiplies_by_the_groups_weights():
+def test_the_int4_kernel_multiplies_by_the_blocks_weights():
     weight = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
-    groups = Q4Groups.by_range(weight)
-    assert (dequantized(groups) - weight).abs().max() < (weight.abs().max() / 15)  # rounding to 16 levels
+    blocks = BlockWeights.by_range(weight)
+    assert (int4_weights(blocks) - weight).abs().max() < (weight.abs().max() / 15)  # rounding to 16 levels
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
-    expected = x.bfloat16().float() @ dequantized_bf16(groups).T  # the kernel's bf16 scales and inputs
-    torch.testing.assert_close(Int4Linear.from_groups(groups)(x), expected, rtol=2e-2, atol=2e-2)
-
-
-def dequantized_bf16(groups: Q4Groups) -> torch.Tensor:
-    """The weights with the kernel's bfloat16 scales and zero points."""
-    step = groups.scales.bfloat16().float().repeat_interleave(32, dim=1)
-    zero = groups.zeros.bfloat16().float().repeat_interleave(32, dim=1)
-    return step * (groups.codes.float() - 8) + zero
+    expected = x.bfloat16().float() @ int4_weights(blocks, torch.bfloat16).T  # the kernel's bf16 scales and inputs
+    torch.testing.assert_close(Int4Linear.from_blocks(blocks)(x), expected, rtol=2e-2, atol=2e-2)
 
 
 def test_the_int8_layer_keeps_one_scale_per_output_channel():
@@ -48,15 +42,14 @@ def test_the_int8_layer_keeps_one_scale_per_output_channel():
     torch.testing.assert_close(layer(x), x.bfloat16().float() @ restored.T, rtol=2e-2, atol=2e-2)
 
 
-def test_a_ggufs_q4_1_blocks_map_onto_the_int4_groups_exactly():
-    """The embedded model's first layer: codes, scales and zeros give back, bit for bit, the float32 weights
-    transformers dequantized from the same GGUF (q and k rows in transformers' order)."""
-    from gguf import GGUFReader
-
+def test_a_ggufs_blocks_are_laid_out_as_the_loaded_weights():
+    """The embedded model's first layer and output layer: the GGUF's blocks, in the row order that gives back, bit
+    for bit, the float32 weights transformers dequantized from the same file (q and k rows permuted for a
+    Llama-architecture GGUF); the 4-bit ones map onto the int4 kernel's codes exactly."""
     from engine.model.model_loader import load_model
 
     source = resolve_model_source(None)
-    tensors = {t.name: t for t in GGUFReader(f"{source.path}/{source.gguf_file}").tensors}
+    tensors = gguf_tensors(source.gguf_path)
     model = load_model(ModelConfig(weights="float32")).model
     config = model.config
     attention = model.model.layers[0].self_attn
@@ -65,10 +58,11 @@ def test_a_ggufs_q4_1_blocks_map_onto_the_int4_groups_exactly():
         ("attn_k", attention.k_proj, config.num_key_value_heads),
         ("attn_v", attention.v_proj, None),
     ):
-        order = llama_row_order(module.out_features, heads) if heads else None
-        groups = gguf_q4_groups(tensors[f"blk.0.{name}.weight"], order)
-        assert torch.equal(dequantized(groups), module.weight.float()), name
-    assert gguf_q4_groups(tensors["token_embd.weight"], None) is None  # Q8_0: not a Q4 type
+        blocks = file_blocks(module.weight, tensors[f"blk.0.{name}.weight"], heads)
+        assert blocks is not None and torch.equal(int4_weights(blocks), module.weight.float()), name
+        assert torch.equal(Int4Linear.from_blocks(blocks).codes(), blocks.codes.to(torch.int32)), name
+    output = file_blocks(model.lm_head.weight, tensors["token_embd.weight"], None, max_rows=64)
+    assert output is not None and output.signed  # Q8_0
 
 
 def test_row_order_is_a_permutation_within_each_head():
@@ -77,11 +71,14 @@ def test_row_order_is_a_permutation_within_each_head():
     assert np.array_equal(np.sort(order[4:]), np.arange(4, 8))
 
 
-@pytest.mark.parametrize("weights", ["bfloat16", "int8", "int4", w4a8_param()])
-def test_speculation_is_exact_against_plain_decoding_with_the_same_weights(tiny_model_dir, tmp_path, weights):
+@pytest.mark.parametrize("shape", ["llama", "gemma"])
+@pytest.mark.parametrize("weights", ["bfloat16", "int8", "int4", gguf_param()])
+def test_speculation_is_exact_against_plain_decoding_with_the_same_weights(request, tmp_path, weights, shape):
+    model_dir = request.getfixturevalue(f"tiny_{shape}_dir" if shape == "gemma" else "tiny_model_dir")
+
     def engine(drafter):
         return Engine(EngineConfig(
-            model=ModelConfig(model=tiny_model_dir, device="cpu", weights=weights, cache_dir=str(tmp_path)),
+            model=ModelConfig(model=model_dir, device="cpu", weights=weights, cache_dir=str(tmp_path)),
             scheduler=SchedulerConfig(max_num_seqs=8, use_goodput_planner=False),
             spec=SpecConfig(drafter=drafter, copy_gamma=2, ngram_k=5, ngram_w=4),
         ))
@@ -99,3 +96,17 @@ def test_speculation_is_exact_against_plain_decoding_with_the_same_weights(tiny_
         for i, prompt in enumerate(batch):
             ref, out = reference[f"req-{i}"].new_token_ids, outputs[f"req-{i}"].new_token_ids
             assert divergence_verdict(plain.runner.model, prompt, ref, out) != "mismatch", (weights, drafter, i)
+
+
+def test_a_cpu_without_the_kernels_serves_a_gguf_in_float32_and_says_why(monkeypatch, caplog):
+    from engine.model.weights import resolve_weights
+
+    gguf = resolve_model_source(None).gguf_path
+    monkeypatch.setenv("SPECSERVE_CPU_ISA", "none")  # as a CPU with neither AVX2 nor AVX512-VNNI
+    with caplog.at_level("WARNING", logger="specserve.engine"):
+        assert resolve_weights("auto", torch.device("cpu"), gguf) == "float32"
+    assert "integer kernels need a CPU with AVX2 or AVX512-VNNI" in caplog.text
+    with pytest.raises(ValueError, match="--weights gguf needs a CPU with AVX2"):
+        resolve_weights("gguf", torch.device("cpu"), gguf)
+    monkeypatch.setenv("SPECSERVE_CPU_ISA", "avx2")
+    assert resolve_weights("auto", torch.device("cpu"), gguf) == "gguf"

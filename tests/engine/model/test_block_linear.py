@@ -1,0 +1,148 @@
+"""The block_linear kernel: integer dot products of 8-bit activations with a GGUF's weight blocks, on AVX512-VNNI and
+AVX2, equal bit for bit to a reference that reproduces its float32 steps, the same for a row whatever rows it is
+computed with, and the same on both instruction sets."""
+import pytest
+import torch
+
+from engine.model.block_linear import BlockLinear, available, concatenate
+from engine.model.blocks import BlockWeights
+from engine.model.cpu_kernels import ISAS, isa_supported
+
+pytestmark = pytest.mark.skipif(not any(isa_supported(isa) for isa in ISAS),
+                                reason="block_linear needs AVX2 or AVX512-VNNI and a C++ compiler for its kernel")
+
+FORMS = ["unsigned4", "unsigned8", "signed32", "signed16"]
+ISA_PARAMS = [pytest.param(isa, marks=pytest.mark.skipif(not isa_supported(isa), reason=f"this CPU lacks {isa}"))
+              for isa in ISAS]
+
+
+def random_weights(form: str, num_out: int, num_in: int, seed: int) -> BlockWeights:
+    """Weights of FORM with codes over their whole range (signed: -128 included), in assorted integer dtypes."""
+    generator = torch.Generator().manual_seed(seed)
+    if form.startswith("unsigned"):
+        bits, high, dtype = (4, 16, torch.uint8) if form == "unsigned4" else (8, 32, torch.int64)
+        codes = torch.randint(0, high, (num_out, num_in), generator=generator, dtype=dtype)
+        scales = torch.rand(num_out, num_in // 32, generator=generator) / 10
+        mins = -torch.rand(num_out, num_in // 32, generator=generator)
+        return BlockWeights(codes, scales, mins, bits=bits)
+    sub, dtype = (16, torch.int16) if form == "signed16" else (32, torch.int8)
+    codes = torch.randint(-128, 128, (num_out, num_in), generator=generator, dtype=dtype)
+    scales = torch.rand(num_out, num_in // sub, generator=generator) / 100
+    return BlockWeights(codes, scales, None, bits=8, sub=sub)
+
+
+def activations(rows: int, num_in: int, seed: int) -> torch.Tensor:
+    x = torch.randn(rows, num_in, generator=torch.Generator().manual_seed(seed))
+    x[min(2, rows - 1), :32] = 0  # a block of zeros: scale 0, no division by it
+    return x
+
+
+def reference(x: torch.Tensor, weights: BlockWeights) -> torch.Tensor:
+    """The kernel's arithmetic: activation codes in float32 as it rounds them, the integer dots exactly (float64
+    holds them), then its float32 steps per block in its order, each product and sum rounded to float32."""
+    rows, num_in = x.shape
+    blocks = num_in // 32
+    xb = x.float().reshape(rows, blocks, 32)
+    d = xb.abs().amax(-1) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(xb * inverse[..., None])  # half to even, as nearbyint
+    sums = q.sum(-1)  # exact integers
+    sub = weights.sub
+    codes = weights.codes.double().reshape(weights.shape[0], num_in // sub, sub)
+    dots = torch.einsum("mbk,nbk->mnb", q.double().reshape(rows, num_in // sub, sub), codes).float()  # exact
+    scales = weights.scales.float()
+    acc = torch.zeros(rows, weights.shape[0])
+    for b in range(blocks):
+        if sub == 16:
+            t = dots[:, :, 2 * b] * scales[:, 2 * b]
+            t = t + dots[:, :, 2 * b + 1] * scales[:, 2 * b + 1]
+        else:
+            t = dots[:, :, b] * scales[:, b]
+        if not weights.signed:
+            t = t + weights.mins.float()[:, b] * sums[:, b, None]
+        acc = acc + t * d[:, b, None]
+    return acc
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("shape", [(40, 64), (96, 96), (640, 2048)])  # 40: a last tile padded
+def test_the_kernel_computes_the_arithmetic_it_claims_bit_for_bit(form, isa, shape):
+    weights = random_weights(form, *shape, seed=sum(shape) + FORMS.index(form))
+    layer = BlockLinear.from_blocks(weights, isa=isa)
+    x = activations(7, shape[1], seed=1)
+    out = layer(x)
+    assert out.shape == (7, shape[0]) and out.dtype == torch.float32
+    assert torch.equal(out, reference(x, weights))
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+@pytest.mark.parametrize("form", FORMS)
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(form, isa):
+    """Rows alone, in groups of 4 (the kernel's row blocking) and in partial groups give bit-identical outputs."""
+    layer = BlockLinear.from_blocks(random_weights(form, 128, 192, seed=3), isa=isa)
+    x = activations(11, 192, seed=2)
+    whole = layer(x)
+    assert torch.equal(torch.cat([layer(x[i:i + 1]) for i in range(11)]), whole)
+    for start, end in ((0, 4), (1, 4), (3, 10), (5, 11), (4, 8)):
+        assert torch.equal(layer(x[start:end]), whole[start:end])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_avx2_and_avx512_vnni_give_the_same_bits(form):
+    if not all(isa_supported(isa) for isa in ISAS):
+        pytest.skip("this CPU lacks one of " + ", ".join(ISAS))
+    weights = random_weights(form, 200, 320, seed=5)
+    x = activations(9, 320, seed=4)
+    vnni, avx2 = (BlockLinear.from_blocks(weights, isa=isa)(x) for isa in ISAS)
+    assert torch.equal(vnni, avx2)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_fused_layers_give_their_parts_outputs(form):
+    parts = [BlockLinear.from_blocks(random_weights(form, num_out, 64, seed=num_out)) for num_out in (48, 16, 32)]
+    fused = concatenate(parts)
+    x = activations(5, 64, seed=6)
+    assert fused.out_features == 96 and fused.in_features == 64
+    assert torch.equal(fused(x), torch.cat([part(x) for part in parts], dim=1))
+
+
+def test_only_whole_tiles_of_one_form_fuse():
+    def layer(form: str, num_out: int) -> BlockLinear:
+        return BlockLinear.from_blocks(random_weights(form, num_out, 64, seed=1))
+
+    with pytest.raises(ValueError, match="whole tiles"):
+        concatenate([layer("unsigned4", 40), layer("unsigned4", 32)])
+    with pytest.raises(ValueError, match="same form"):
+        concatenate([layer("signed32", 32), layer("unsigned4", 32)])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_kernel_multiplies_by_the_dequantized_weights(form):
+    """Sanity: the float matmul with dequantize()'s weights, up to the activations' rounding to 8 bits."""
+    weights = random_weights(form, 96, 256, seed=7)
+    x = activations(6, 256, seed=8).to(torch.bfloat16)
+    out = BlockLinear.from_blocks(weights)(x)
+    assert out.dtype == torch.bfloat16
+    expected = x.float() @ weights.dequantize().T
+    torch.testing.assert_close(out.float(), expected, rtol=0.02, atol=0.02 * expected.abs().max().item())
+    assert BlockLinear.from_blocks(weights)(x.float().reshape(2, 3, 256)).shape == (2, 3, 96)
+
+
+def test_weights_the_kernel_cannot_multiply_exactly_are_refused():
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        BlockLinear.from_blocks(BlockWeights(torch.zeros(16, 40, dtype=torch.uint8), torch.ones(16, 1),
+                                             torch.zeros(16, 1), bits=4))
+    with pytest.raises(ValueError, match="0..15"):
+        BlockLinear.from_blocks(BlockWeights(torch.full((16, 32), 16), torch.ones(16, 1), torch.zeros(16, 1), bits=4))
+    with pytest.raises(ValueError, match="no kernel"):
+        BlockLinear.from_blocks(BlockWeights(torch.zeros(16, 32, dtype=torch.int8), torch.ones(16, 1), None, bits=4))
+
+
+def test_the_isa_cap_is_honoured(monkeypatch):
+    from engine.model.cpu_kernels import cpu_isa, has_avx512
+
+    monkeypatch.setenv("SPECSERVE_CPU_ISA", "avx2")
+    assert cpu_isa() == ("avx2" if isa_supported("avx2") else None) and not has_avx512()
+    monkeypatch.setenv("SPECSERVE_CPU_ISA", "none")
+    assert cpu_isa() is None and not available()
