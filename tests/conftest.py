@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny randomly initialised Llama-style model built from a config; the tests' own data sets;
+"""Shared fixtures: tiny randomly initialised Llama-style and Gemma-3-shaped models built from configs; the tests' own
+data sets;
 and a guard that fails any test reaching for the benchmark data beside the checkout, which a user's clone lacks."""
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 TINY_VOCAB = 48
+GEMMA_WINDOW = 512  # Gemma 3 270M's sliding window
 REPO = Path(__file__).resolve().parent.parent
 TEST_DATA_DIR = REPO / "tests" / "data"  # conversations and prompts written for the tests, in the real sets' formats
 # where the benchmark data lives on the project's machines
@@ -46,6 +48,24 @@ def tiny_model_dir(tmp_path_factory) -> str:
         model.lm_head.weight.mul_(8.0)
     path = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_dir(tmp_path_factory) -> str:
+    """Gemma 3's shape at small widths: its 512-token sliding window on five of every six layers, each layer type
+    with its own rotary base, query and key norms, four norms per layer, scaled embeddings, GELU-tanh MLP."""
+    torch.manual_seed(7)
+    config = Gemma3TextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, sliding_window=GEMMA_WINDOW,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"], max_position_embeddings=4096,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        bos_token_id=2, eos_token_id=1, pad_token_id=0, initializer_range=0.2,
+    )
+    path = tmp_path_factory.mktemp("tiny-gemma")
+    Gemma3ForCausalLM(config).save_pretrained(path)
     return str(path)
 
 

@@ -1,11 +1,17 @@
-"""A lean packed forward for Llama-family decoders: the model's own modules and weights, none of transformers' call
-machinery around them.
+"""A lean packed forward for the decoders specserve knows: the model's own modules and weights, none of transformers'
+call machinery around them.
 
 transformers' forward builds masks, output records, keyword plumbing and a module call per norm, projection and MLP
-on every layer; at batch 1 on the CPU that Python cost rivals the 4-bit matmuls themselves (bench/results/step-profile).
-This forward walks the same layers with plain tensor calls and the same arithmetic, and attends through the paged
-attention directly. Layers of the Llama form only (pre-norm RMSNorm, rotary, grouped-query attention, gated MLP):
-`supports` says which; others keep transformers' forward (engine/model/packed_runner.py chooses).
+on every layer; at batch 1 on the CPU that Python cost rivals the quantised matmuls themselves
+(bench/results/step-profile). This forward walks the same layers with plain tensor calls and the same arithmetic, and
+attends through the paged attention directly. Two layer forms (`supports` says which models have one; others keep
+transformers' forward, engine/model/packed_runner.py chooses):
+- Llama (Llama, Qwen2, Mistral): pre-norm RMSNorm, rotary, grouped-query attention, SiLU-gated MLP.
+- Gemma 3: the same with RMSNorms that scale by 1 + weight, query and key norms per head, a norm after attention and
+  after the MLP as well as before each, embeddings scaled by sqrt(hidden), a GELU-tanh gated MLP, and per layer type
+  ("sliding_attention", "full_attention") its own rotary base and attention window.
+Every layer attends through its own sliding window where it has one (`sliding_window`), and the output logits are
+soft-capped where the config says so.
 
 Each layer's query, key and value projections run as one Linear whose output channels are the three concatenated,
 and its gate and up projections likewise (engine/model/weights.py `fuse_linears`): a Linear computes each output
@@ -14,6 +20,7 @@ channel from its own weights, so the fused layers give the same numbers in fewer
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -21,26 +28,44 @@ import torch.nn.functional as F
 from engine.model.paged_attention import PackedBatch, paged_attention
 from engine.model.weights import fuse_linears
 
-# model_type of transformers configs whose decoder layer is exactly the Llama form (Qwen2's projections carry a bias,
-# which the fused Linear keeps). Neither this forward nor transformers' through the paged attention applies a sliding
-# window (Mistral's, beyond 4,096 positions).
-LLAMA_FORM = {"llama", "qwen2", "mistral"}
-GATED_ACTIVATIONS = {"silu": F.silu}
+LLAMA_FORM = {"llama", "qwen2", "mistral"}  # model_type of configs whose decoder layer is exactly the Llama form
+GEMMA_FORM = {"gemma3_text"}
+GATED_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 
 def supports(model: torch.nn.Module) -> bool:
-    return model.config.model_type in LLAMA_FORM and getattr(model.config, "hidden_act", None) in GATED_ACTIVATIONS
+    config = model.config
+    activation = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+    return config.model_type in LLAMA_FORM | GEMMA_FORM and activation in GATED_ACTIVATIONS
+
+
+@dataclass
+class Norm:
+    """An RMSNorm: F.rms_norm by WEIGHT (Gemma's 1 + weight, precomputed), computed in float32."""
+
+    weight: torch.Tensor
+    eps: float
+    gemma: bool = False  # Gemma scales in float32 before the cast back; Llama casts, then scales in the model's dtype
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden, self.weight, self.eps, self.gemma)
 
 
 @dataclass
 class LayerWeights:
     index: int  # the layer's KV layer in the pool
-    input_norm: torch.Tensor
+    input_norm: Norm
     qkv: torch.nn.Module  # [hidden] -> [q | k | v]
     output: torch.nn.Module
-    post_norm: torch.Tensor
+    mlp_norm: Norm  # before the MLP
     gate_up: torch.nn.Module  # [hidden] -> [gate | up]
     down: torch.nn.Module
+    rotary_type: str | None = None  # the rotary embedding's layer type (Gemma 3); None: the model's one rotary
+    sliding_window: int | None = None  # keys within this many positions of the query, or all
+    query_norm: Norm | None = None  # per head, before rotary (Gemma 3)
+    key_norm: Norm | None = None
+    attention_out_norm: Norm | None = None  # on the attention's output, before the residual add (Gemma 3)
+    mlp_out_norm: Norm | None = None  # on the MLP's output, before the residual add (Gemma 3)
 
 
 class LeanDecoder:
@@ -48,60 +73,101 @@ class LeanDecoder:
 
     def __init__(self, model: torch.nn.Module) -> None:
         config, inner = model.config, model.model
-        self.embed = inner.embed_tokens
+        gemma = config.model_type in GEMMA_FORM
+        self.embed = inner.embed_tokens  # Gemma's scales by sqrt(hidden) itself
         self.rotary = inner.rotary_emb
-        self.final_norm, self.eps = inner.norm.weight, inner.norm.variance_epsilon
+        self.final_norm = _norm(inner.norm, gemma)
         self.lm_head = model.lm_head
-        self.act = GATED_ACTIVATIONS[config.hidden_act]
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.act = GATED_ACTIVATIONS[getattr(config, "hidden_act", None) or config.hidden_activation]
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.scaling = self.head_dim ** -0.5
-        self.layers = [_layer_weights(layer) for layer in inner.layers]
+        scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
+        self.scaling = (scalar or self.head_dim) ** -0.5
+        self.layers = [_layer_weights(config, layer, gemma) for layer in inner.layers]
 
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor, packed: PackedBatch
     ) -> torch.Tensor:
         """input_ids, position_ids [total]; rows [n] packed rows whose logits return -> [n, vocab]."""
         hidden = self.embed(input_ids)  # [total, hidden]
-        cos, sin = (t[0, :, None, :] for t in self.rotary(hidden, position_ids[None]))  # [total, 1, head_dim]
+        rotations = {kind: self._rotation(hidden, position_ids, kind) for kind in {x.rotary_type for x in self.layers}}
         for layer in self.layers:
-            hidden = self._layer(layer, hidden, cos, sin, packed)
+            hidden = self._layer(layer, hidden, *rotations[layer.rotary_type], packed)
             if packed.hidden_index is not None and packed.hidden_layer == layer.index + 1:
                 packed.captured_hidden = hidden[packed.hidden_index].float().cpu()
-        return self.lm_head(rms_norm(hidden[rows], self.final_norm, self.eps))
+        logits = self.lm_head(self.final_norm(hidden[rows]))
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def _rotation(self, hidden: torch.Tensor, position_ids: torch.Tensor, kind: str | None) -> tuple:
+        """cos, sin [total, 1, head_dim] of the rotary embedding of layer type KIND."""
+        args = (hidden, position_ids[None]) if kind is None else (hidden, position_ids[None], kind)
+        return tuple(t[0, :, None, :] for t in self.rotary(*args))
 
     def _layer(
         self, layer: LayerWeights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: PackedBatch
     ) -> torch.Tensor:
         total = hidden.shape[0]
-        qkv = layer.qkv(rms_norm(hidden, layer.input_norm, self.eps)).view(total, -1, self.head_dim)
-        rotated = rotate(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)  # queries and keys at once
-        query, key = rotated.split([self.num_heads, self.num_kv_heads], dim=1)
-        value = qkv[:, self.num_heads + self.num_kv_heads:]
-        attended = paged_attention(layer.index, query, key, value, self.scaling, packed)  # [total, heads, head_dim]
-        hidden = hidden + layer.output(attended.view(total, -1))
-        gate, up = layer.gate_up(rms_norm(hidden, layer.post_norm, self.eps)).chunk(2, dim=-1)
-        return hidden + layer.down(self.act(gate) * up)
+        qkv = layer.qkv(layer.input_norm(hidden)).view(total, -1, self.head_dim)
+        query, key, value = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        if layer.query_norm is not None:
+            query, key = layer.query_norm(query), layer.key_norm(key)
+            rotated = torch.cat((query, key), dim=1)
+        else:
+            rotated = qkv[:, :self.num_heads + self.num_kv_heads]
+        query, key = rotate(rotated, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)  # both at once
+        attended = paged_attention(layer.index, query, key, value, self.scaling, packed, layer.sliding_window)
+        attended = layer.output(attended.view(total, -1))
+        hidden = hidden + (attended if layer.attention_out_norm is None else layer.attention_out_norm(attended))
+        gate, up = layer.gate_up(layer.mlp_norm(hidden)).chunk(2, dim=-1)
+        mlp = layer.down(self.act(gate) * up)
+        return hidden + (mlp if layer.mlp_out_norm is None else layer.mlp_out_norm(mlp))
 
 
-def _layer_weights(layer: torch.nn.Module) -> LayerWeights:
+def _layer_weights(config, layer: torch.nn.Module, gemma: bool) -> LayerWeights:
     attention, mlp = layer.self_attn, layer.mlp
-    return LayerWeights(
+    weights = LayerWeights(
         index=attention.layer_idx,
-        input_norm=layer.input_layernorm.weight,
+        input_norm=_norm(layer.input_layernorm, gemma),
         qkv=fuse_linears(attention, ("q_proj", "k_proj", "v_proj")),
         output=attention.o_proj,
-        post_norm=layer.post_attention_layernorm.weight,
+        mlp_norm=_norm(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm, gemma),
         gate_up=fuse_linears(mlp, ("gate_proj", "up_proj")),
         down=mlp.down_proj,
+        sliding_window=layer_sliding_window(config, attention),
     )
+    if gemma:
+        weights.rotary_type = config.layer_types[attention.layer_idx]
+        weights.query_norm, weights.key_norm = _norm(attention.q_norm, gemma), _norm(attention.k_norm, gemma)
+        weights.attention_out_norm = _norm(layer.post_attention_layernorm, gemma)
+        weights.mlp_out_norm = _norm(layer.post_feedforward_layernorm, gemma)
+    return weights
 
 
-def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm (computed in float32, scaled in the model's dtype) by torch's own rms_norm, which
-    gives the same numbers on float32 (tests/engine/test_decoder.py) in fewer calls."""
+def layer_sliding_window(config, attention: torch.nn.Module) -> int | None:
+    """The attention window of a layer as transformers applies it: the module's own (Gemma, Qwen2: per layer type),
+    else the config's (Mistral, Phi-3: every layer)."""
+    if hasattr(attention, "sliding_window"):
+        return attention.sliding_window
+    return getattr(config, "sliding_window", None)
+
+
+def _norm(module: torch.nn.Module, gemma: bool) -> Norm:
+    eps = getattr(module, "variance_epsilon", None) or module.eps
+    weight = (1.0 + module.weight.float()) if gemma else module.weight
+    return Norm(weight, eps, gemma)
+
+
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
+    """transformers' RMSNorms by torch's own rms_norm, which gives the same numbers on float32
+    (tests/engine/model/test_decoder.py) in fewer calls: Llama's normalises in float32 and scales in the model's
+    dtype; Gemma's scales by 1 + weight in float32, then casts."""
     if hidden.dtype == torch.float32:
         return F.rms_norm(hidden, weight.shape, weight, eps)
+    if gemma:
+        return F.rms_norm(hidden.float(), weight.shape, weight, eps).to(hidden.dtype)
     return weight * F.rms_norm(hidden.float(), weight.shape, None, eps).to(hidden.dtype)
 
 

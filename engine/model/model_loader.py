@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from engine.config import ModelConfig
 from engine.model.gguf_cache import loadable_source
 from engine.model.model_source import ModelSource, resolve_model_source
+from engine.model.servable import check_servable, config_refusal, refusal
 from engine.model.weights import apply_weights, resolve_weights
 
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -43,6 +43,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
     source = resolve_model_source(config.model)
     device = resolve_device(config.device)
     checkpoint = loadable_source(source)  # a GGUF's dequantized copy; the served name stays SOURCE's
+    model_config = AutoConfig.from_pretrained(checkpoint.path, trust_remote_code=config.trust_remote_code,
+                                              **checkpoint.from_pretrained_kwargs())
+    check_servable(config_refusal(model_config), source.name)
     model = AutoModelForCausalLM.from_pretrained(
         checkpoint.path,
         dtype=resolve_dtype(config.dtype, device),
@@ -51,7 +54,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
         **checkpoint.from_pretrained_kwargs(),
     )
     model.to(device).eval()
-    gguf_path = str(Path(source.path) / source.gguf_file) if source.gguf_file else None
+    check_servable(refusal(model), source.name)
+    gguf_path = source.gguf_path
     weights = resolve_weights(config.weights, device, gguf_path)
     apply_weights(model, weights, gguf_path)
     if device.type == "cpu" and weights == "float32":
