@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from bench.api import run_api_benchmark
 from bench.concurrency import run_concurrency_benchmark, turn2_conversations
 from bench.data import MissingDataError, data_path, first_per_category, load_questions, missing_data_message
 from bench.llama_server import LlamaServerRunner, start_llama_server
+from bench.long_context import CONTEXTS, context_questions, definition_check, definition_markdown, long_code
 from bench.models import MODES, run_models_benchmark
 from bench.mt import run_mt_benchmark
 from bench.ngram import DATASETS as NGRAM_DATASETS
@@ -88,30 +91,63 @@ def add_mt_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="keep rows already in OUT/results.json")
     parser.add_argument("--peer-turns", type=parse_turns, default=(1, 2), help="turns the hf-* peers answer, e.g. 2")
     parser.add_argument("--max-turns", type=int, default=2, help="answer at most this many turns")
+    parser.add_argument("--completions", action="store_true",
+                        help="continue each question's text with no chat template, as a base model is used "
+                             "(humaneval: the function's signature and docstring)")
 
 
 def mt_benchmark(name: str) -> Benchmark:
     def run(args: argparse.Namespace, config: EngineConfig, tokenizer, out_dir: Path) -> None:
-        runners, hf_model = {}, None
-        try:
-            for drafter in args.drafters:
-                if drafter.startswith("hf-"):
-                    hf_model = hf_model or load_model(config.model)
-                    runners[drafter] = HFRunner(hf_model, prompt_lookup=drafter == "hf-pld")
-                elif drafter.startswith("llama-server"):
-                    runners[drafter] = llama_server_runner(args, drafter, out_dir)
-                else:
-                    runners[drafter] = EngineRunner(Engine(config.with_drafter(drafter)))
-            reference_model = runners["none"].engine.runner.model
-            questions = first_per_category(load_questions(name, args.data_dir), args.per_category)[: args.limit]
-            run_mt_benchmark(name, questions, runners, tokenizer, reference_model, args, out_dir)
-        finally:
-            for runner in runners.values():
-                if hasattr(runner, "close"):
-                    runner.close()
+        questions = first_per_category(load_questions(name, args.data_dir), args.per_category)[: args.limit]
+        if args.completions and any("completion" not in q for q in questions):
+            raise SystemExit(f"--completions needs a data set with text to continue (humaneval), not {name}")
+        with mt_runners(args, config, out_dir) as runners:
+            run_mt_benchmark(name, questions, runners, tokenizer, runners["none"].engine.runner.model, args, out_dir)
 
     return Benchmark(f"{name}: tokens/s per drafter, conversation by conversation", run, lambda args: [name],
                      add_mt_flags)
+
+
+@contextmanager
+def mt_runners(args: argparse.Namespace, config: EngineConfig, out_dir: Path) -> Iterator[dict]:
+    """A runner per drafter of ARGS (specserve engines, transformers' generate, llama-server), closed on leaving."""
+    runners, hf_model = {}, None
+    try:
+        for drafter in args.drafters:
+            if drafter.startswith("hf-"):
+                hf_model = hf_model or load_model(config.model)
+                runners[drafter] = HFRunner(hf_model, prompt_lookup=drafter == "hf-pld")
+            elif drafter.startswith("llama-server"):
+                runners[drafter] = llama_server_runner(args, drafter, out_dir)
+            else:
+                runners[drafter] = EngineRunner(Engine(config.with_drafter(drafter)))
+        yield runners
+    finally:
+        for runner in runners.values():
+            if hasattr(runner, "close"):
+                runner.close()
+
+
+def add_long_context_flags(parser: argparse.ArgumentParser) -> None:
+    add_mt_flags(parser)
+    parser.add_argument("--contexts", type=parse_ints, default=CONTEXTS, help="context lengths in tokens")
+    parser.add_argument("--definition-tokens", type=int, default=40,
+                        help="tokens per context checked against transformers' eager float32 forward (0: none)")
+
+
+def run_long_context(args: argparse.Namespace, config: EngineConfig, tokenizer, out_dir: Path) -> None:
+    """A long Python file continued from each context length; then the definition check (bench/long_context.py)."""
+    args.completions, args.max_turns = True, 1
+    questions = context_questions(tokenizer, long_code(args.data_dir), args.contexts)
+    with mt_runners(args, config, out_dir) as runners:
+        run_mt_benchmark("long-context", questions, runners, tokenizer, runners["none"].engine.runner.model, args,
+                         out_dir)
+    if args.definition_tokens:
+        rows = definition_check(config, questions, tokenizer, args.definition_tokens)
+        results = json.loads((out_dir / "results.json").read_text())
+        (out_dir / "results.json").write_text(json.dumps({**results, "definition": rows}, indent=1))
+        with open(out_dir / "results.md", "a") as report:
+            report.write(definition_markdown(rows))
 
 
 def llama_server_runner(args: argparse.Namespace, name: str, out_dir: Path) -> LlamaServerRunner:
@@ -137,6 +173,9 @@ def add_concurrency_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warm-prompts", action="store_true",
                         help="every server caches every prompt first (specserve: sessions on, a fresh session per "
                              "request, so prompt KV is reused and no drafter state is); default: sessions off")
+    parser.add_argument("--completions", action="store_true",
+                        help="HumanEval's prompts completed through /v1/completions, no chat template (base models); "
+                             "default: MT-Redundant's turn 2 through /v1/chat/completions")
     parser.add_argument("--peer-kv-blocks", type=int, default=None,
                         help="transformers serve's KV blocks of 256 tokens (default: enough for the largest C at once)")
     parser.add_argument("--peer-max-batch-tokens", type=int, default=None,
@@ -148,11 +187,14 @@ def run_concurrency(args: argparse.Namespace, config: EngineConfig, tokenizer, o
     # Every level replays the same conversations: unless every server caches every prompt first (--warm-prompts), a
     # session cache would turn later levels into hits the peers never get.
     engine_flags = specserve_engine_flags(config) + ["--session-mode", "implicit" if args.warm_prompts else "off"]
-    questions = load_questions("mt-redundant", args.data_dir)[: args.limit]
-    baseline = EngineRunner(Engine(config))
-    conversations = turn2_conversations(questions, tokenizer, baseline, args.max_new_tokens)
-    del baseline  # its KV pool would sit beside every server under test
-    gc.collect()
+    if args.completions:
+        conversations = [q["completion"] for q in load_questions("humaneval", args.data_dir)[: args.limit]]
+    else:
+        questions = load_questions("mt-redundant", args.data_dir)[: args.limit]
+        baseline = EngineRunner(Engine(config))
+        conversations = turn2_conversations(questions, tokenizer, baseline, args.max_new_tokens)
+        del baseline  # its KV pool would sit beside every server under test
+        gc.collect()
     run_concurrency_benchmark(args, list(args.drafters), conversations, tokenizer, engine_flags, out_dir)
 
 
@@ -222,6 +264,8 @@ def add_soak_flags(parser: argparse.ArgumentParser) -> None:
 
 BENCHMARKS: dict[str, Benchmark] = {
     **{name: mt_benchmark(name) for name in ("mt-redundant", "mt-bench", "humaneval", "gsm8k")},
+    "long-context": Benchmark("a long Python file continued past a sliding window, and the definition check there",
+                              run_long_context, lambda args: ["humaneval"], add_long_context_flags),
     "spec-bench": Benchmark(
         "prompt lookup and PLD+ on Spec-Bench, with PLD+'s ablations",
         run_pld_plus_benchmark,
@@ -230,7 +274,8 @@ BENCHMARKS: dict[str, Benchmark] = {
     "ngram": Benchmark("learning-free n-grams: the headline runs and the k x w grid", run_ngram_benchmark,
                        lambda args: list(NGRAM_DATASETS), add_ngram_flags),
     "concurrency": Benchmark("HTTP servers under C concurrent clients, specserve and peers", run_concurrency,
-                             lambda args: ["mt-redundant"], add_concurrency_flags),
+                             lambda args: ["humaneval" if args.completions else "mt-redundant"],
+                             add_concurrency_flags),
     "sessions": Benchmark("multi-turn conversations per session mode", run_sessions, sessions_data, add_sessions_flags),
     "step-profile": Benchmark("where a step's time goes", run_step_profile, lambda args: ["mt-redundant"]),
     "soak": Benchmark("streaming clients against one server for minutes: memory and errors",

@@ -33,7 +33,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server_process import RunningServer, free_port, specserve_command, start_process, stop_server
-from bench.sse_client import chat_body, stream_chat
+from bench.sse_client import chat_body, completion_body, stream_chat
 from engine.model.gguf_cache import dequantized_dir
 from engine.model.model_source import ModelSource, resolve_model_source
 
@@ -125,7 +125,8 @@ def peer_num_blocks(prompt_lengths: list[int], max_concurrency: int, max_tokens:
 def prompt_lengths(tokenizer, conversations: list[list[dict]]) -> list[int]:
     lengths = []
     for messages in conversations:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = (messages if isinstance(messages, str)
+                else tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
         lengths.append(len(tokenizer(text, add_special_tokens=False)["input_ids"]))
     return lengths
 
@@ -138,10 +139,13 @@ def transformers_model_dir(source: ModelSource, cache_root: Path | None = None) 
     return str(dequantized_dir(source, cache_root))
 
 
-async def stream_turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int,
+async def stream_turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict] | str, max_tokens: int,
                       fresh_session: bool = False) -> RequestTiming:
+    """One conversation's next turn, or (MESSAGES a text) its completion through /v1/completions."""
     headers = {"X-Session-ID": f"bench-{uuid.uuid4().hex}"} if fresh_session else None
-    reply = await stream_chat(client, url, chat_body(model, messages, max_tokens), headers)
+    body = (completion_body(model, messages, max_tokens) if isinstance(messages, str)
+            else chat_body(model, messages, max_tokens))
+    reply = await stream_chat(client, url, body, headers)
     return RequestTiming(reply.ttft_s, reply.decode_s / max(reply.completion_tokens - 1, 1), reply.completion_tokens)
 
 

@@ -1,7 +1,8 @@
 """Benchmark prompt sets, read from a data folder: `--data-dir`, else bench/data/ (their sources: its README).
 
 Every set comes back as questions of one shape, `{"question_id", "category", "turns"}`,
-whatever the file's own layout, so the benchmarks treat them alike.
+whatever the file's own layout, so the benchmarks treat them alike; HumanEval's also carry `"completion"`, the
+function's signature and docstring as they stand, for base models (`--completions`).
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def load_questions(name: str, data_dir: Path | None = None) -> list[dict]:
 
 def humaneval_question(index: int, record: dict) -> dict:
     return {"question_id": index, "category": "humaneval",
-            "turns": [HUMANEVAL_PROMPT.format(prompt=record["prompt"].strip())]}
+            "turns": [HUMANEVAL_PROMPT.format(prompt=record["prompt"].strip())], "completion": record["prompt"]}
 
 
 def gsm8k_question(index: int, record: dict) -> dict:

@@ -35,17 +35,25 @@ def turn_prompts(tokenizer, question: dict, answers: list[str] | str | None) -> 
     return render_prompt(tokenizer, messages)
 
 
-def warm_up(runners: dict, tokenizer) -> None:
+def completion_prompt(tokenizer, question: dict) -> list[int]:
+    """A base model's prompt: the question's text to continue, no chat template."""
+    return list(tokenizer.encode(question["completion"]))
+
+
+def warm_up(runners: dict, tokenizer, completions: bool = False) -> None:
     """One short untimed generation per runner, so one-off costs stay out of the measurements."""
-    prompt = render_prompt(tokenizer, [{"role": "user", "content": "Say hello."}])
+    hello = "Say hello."
+    prompt = tokenizer.encode(hello) if completions else render_prompt(tokenizer, [{"role": "user", "content": hello}])
     for runner in runners.values():
         runner.generate(prompt, 16)
 
 
 def run_question(question: dict, runners: dict, tokenizer, reference_model, args) -> list[dict]:
     rows, answers = [], []
-    for turn in range(1, min(len(question["turns"]), args.max_turns) + 1):
-        prompt = turn_prompts(tokenizer, question, answers)
+    num_turns = 1 if args.completions else min(len(question["turns"]), args.max_turns)
+    for turn in range(1, num_turns + 1):
+        prompt = (completion_prompt(tokenizer, question) if args.completions
+                  else turn_prompts(tokenizer, question, answers))
         names = [n for n in runners if not n.startswith("hf-") or turn in args.peer_turns]
         generations = {name: runners[name].generate(prompt, args.max_new_tokens) for name in names}
         baseline = generations["none"].token_ids
@@ -87,7 +95,7 @@ def run_mt_benchmark(
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = _load_previous_rows(out_dir) if args.resume else []
     done = {r["question_id"] for r in rows}
-    warm_up(runners, tokenizer)
+    warm_up(runners, tokenizer, args.completions)
     for question in tqdm([q for q in interleave_categories(questions) if q["question_id"] not in done], desc=name):
         rows += run_question(question, runners, tokenizer, reference_model, args)
         write_results(name, rows, list(runners), args, out_dir, lookup_cost=None)

@@ -1,4 +1,4 @@
-"""One streamed chat completion against an OpenAI-compatible server, timed on the client."""
+"""One streamed chat completion, or completion of a text, against an OpenAI-compatible server, timed on the client."""
 from __future__ import annotations
 
 import json
@@ -40,15 +40,23 @@ def chat_body(model: str, messages: list[dict], max_tokens: int) -> dict:
             "stream": True, "stream_options": {"include_usage": True}}
 
 
+def completion_body(model: str, prompt: str, max_tokens: int) -> dict:
+    """A greedy streamed completion of PROMPT (no chat template: a base model's use) that asks for the usage chunk."""
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
 async def stream_chat(
     client: httpx.AsyncClient, url: str, body: dict, headers: dict[str, str] | None = None
 ) -> StreamedReply:
-    """POST BODY to URL/chat/completions and read the SSE stream to its end."""
+    """POST BODY to URL/chat/completions (URL/completions for a body with a prompt) and read the SSE stream to its
+    end."""
     start = time.perf_counter()
     first = last = None
     pieces: list[str] = []
     usage = spec_stats = None
-    async with client.stream("POST", url + "/chat/completions", json=body, headers=headers) as response:
+    endpoint = "/completions" if "prompt" in body else "/chat/completions"
+    async with client.stream("POST", url + endpoint, json=body, headers=headers) as response:
         if response.status_code != 200:
             await response.aread()
             raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:500]}")
@@ -60,7 +68,8 @@ async def stream_chat(
                 raise RuntimeError(f"{url} reported an error mid-stream: {chunk['error']}")
             usage = chunk.get("usage") or usage
             spec_stats = chunk.get("spec_stats") or spec_stats
-            text = "".join(choice.get("delta", {}).get("content") or "" for choice in chunk.get("choices", []))
+            text = "".join(choice.get("delta", {}).get("content") or choice.get("text") or ""
+                           for choice in chunk.get("choices", []))
             if text:
                 last = time.perf_counter()
                 first = first or last
