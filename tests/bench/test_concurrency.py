@@ -53,6 +53,8 @@ class Handler(BaseHTTPRequestHandler):
             f.write((self.headers.get("X-Session-ID") or "-") + "\\n")
         with open(log + ".max_tokens", "a") as f:
             f.write(str(body["max_tokens"]) + "\\n")
+        with open(log + ".paths", "a") as f:
+            f.write(self.path + "\\n")
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -291,6 +293,13 @@ def test_warm_prompts_caches_every_conversation_first_and_fresh_sessions_name_on
     assert (tmp_path / "requests.log.max_tokens").read_text().split() == ["1", "1", "4", "4"]
     sessions = (tmp_path / "requests.log.sessions").read_text().split()
     assert len(set(sessions)) == 4 and all(s.startswith("bench-") for s in sessions)  # never a session resumed
+
+
+def test_texts_to_continue_go_to_the_completions_endpoint(tmp_path):
+    """--completions (a base model): each "conversation" is a text, sent as a prompt to /v1/completions."""
+    measure_servers([stand_in(tmp_path, "a")], ["def f():", "def g():"], [2], 1, 4, tmp_path, lambda rows: None)
+    paths = (tmp_path / "requests.log.paths").read_text().split()
+    assert len(paths) == 3 and all(path.endswith("/v1/completions") for path in paths)
 
 
 def test_llama_server_runs_the_same_gguf_plain_or_with_its_ngram_speculation(tmp_path):

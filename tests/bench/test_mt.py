@@ -1,13 +1,33 @@
-"""The conversation harness: turn prompts from earlier answers, and peer servers compared by text."""
-from bench.mt import _peer_lines, _peer_row, turn_prompts
+"""The conversation harness: turn prompts from earlier answers, base models' texts to continue, the long-context
+run's contexts, and peer servers compared by text."""
+from bench.long_context import context_questions, long_code
+from bench.mt import _peer_lines, _peer_row, completion_prompt, turn_prompts
 from bench.runners import Generation
+from tests.conftest import TEST_DATA_DIR
 
 
 class Tokens:
-    """A stand-in tokenizer: the chat template as a flat list of role tags and words."""
+    """A stand-in tokenizer: the chat template as a flat list of role tags and words; a text's tokens its words."""
 
     def apply_chat_template(self, messages, add_generation_prompt, tokenize):
         return [word for m in messages for word in (m["role"], *m["content"].split())] + ["assistant"]
+
+    def encode(self, text):
+        return text.split()
+
+    def decode(self, words, skip_special_tokens=False):
+        return " ".join(words)
+
+
+def test_a_base_models_prompt_is_its_text_with_no_chat_template():
+    assert completion_prompt(Tokens(), {"turns": ["ask"], "completion": "def f(x):"}) == ["def", "f(x):"]
+
+
+def test_the_long_context_run_cuts_one_long_file_at_each_context_length():
+    text = long_code(TEST_DATA_DIR)
+    questions = context_questions(Tokens(), text, (20, 60))
+    assert [len(q["completion"].split()) for q in questions] == [20, 60]
+    assert text.split()[:60] == questions[1]["completion"].split()
 
 
 def test_each_turn_is_asked_after_the_baselines_answers_to_the_turns_before():
