@@ -223,10 +223,12 @@ def _chain_masks(members: list[GroupMember], max_q: int, max_len: int) -> torch.
 
 
 def build_group(
-    members: list[GroupMember], block_size: int, heads_per_kv_head: int, device: torch.device
+    members: list[GroupMember], block_size: int, heads_per_kv_head: int, device: torch.device,
+    with_positions: bool = True,
 ) -> AttentionGroup:
     """The padded attention call of R sequences: sequence r's queries are its last query_len of context_len keys,
-    causal for a chain, each row to its ancestors for a tree in place."""
+    causal for a chain, each row to its ancestors for a tree in place. WITH_POSITIONS False: no sliding window can
+    hide a key of this step (`needs_positions`), so none are recorded."""
     max_q = max(m.query_len for m in members)
     max_len = padded_key_len(max(m.context_len for m in members))
     offsets = torch.arange(max_q)
@@ -245,7 +247,7 @@ def build_group(
     group = AttentionGroup(
         query_index.to(device), table.to(device), block_size, max_len, mask,
         real.flatten().nonzero()[:, 0].to(device), query_index[real].to(device),
-        positions=_layout_positions(members, max_q, max_len, heads_per_kv_head),
+        positions=_layout_positions(members, max_q, max_len, heads_per_kv_head) if with_positions else None,
     )
     _add_tail_keys(group, members, max_blocks * block_size, device)
     return group
@@ -265,14 +267,24 @@ def _add_tail_keys(
         group.tail_keys, group.tail_slots = torch.tensor(flat, device=device), torch.tensor(slots, device=device)
 
 
-def in_place_span(member: GroupMember, first_slot: int, heads_per_kv_head: int, device: torch.device) -> InPlaceSpan:
+def in_place_span(
+    member: GroupMember, first_slot: int, heads_per_kv_head: int, device: torch.device, with_positions: bool = True,
+) -> InPlaceSpan:
     """The span of a sequence whose keys lie in consecutive slots from FIRST_SLOT on (the padding keys after them,
-    whatever they hold, are masked)."""
+    whatever they hold, are masked); WITH_POSITIONS as `build_group` takes it."""
     num_keys = padded_key_len(member.context_len)
     mask = query_mask(member, member.query_len, num_keys, member.ancestors)[None, None]
     mask = _tile_mask(mask, heads_per_kv_head).to(device)
-    positions = _layout_positions([member], member.query_len, num_keys, heads_per_kv_head)
+    positions = _layout_positions([member], member.query_len, num_keys, heads_per_kv_head) if with_positions else None
     return InPlaceSpan(member.query_start, member.query_len, first_slot, num_keys, mask, positions)
+
+
+def needs_positions(members: list[GroupMember], narrowest_window: int | None) -> bool:
+    """Whether a sliding window of NARROWEST_WINDOW positions or more (None: no layer has one) can hide a key from a
+    query of MEMBERS: only where a query's position reaches the window (`windowed_mask`; a query's position is below
+    its sequence's context length). Elsewhere a layout records no positions, which costs a decoding step tens of
+    microseconds."""
+    return narrowest_window is not None and max((m.context_len for m in members), default=0) > narrowest_window
 
 
 def padded_key_len(num_keys: int) -> int:

@@ -4,6 +4,9 @@
   rounded to 8 bits, summed in integers (AVX512-VNNI or AVX2, chosen at run time).
 - `torch.ops.specserve.row_attention` (engine/model/paged_attention.py): attention one query row at a time over the
   keys it may see (AVX-512F).
+- `torch.ops.specserve.rms_norm`, `add_rms_norm`, `gated_activation`, `rope_write`, `span_attention`
+  (engine/model/csrc/fused_ops.cpp, engine/model/decoder.py): a decoder layer's small operators fused, one call where
+  torch takes several (AVX-512F, AVX2 or baseline x86-64, the same bits on each; span_attention calls row_attention).
 
 Compiled on first use with a C++ compiler and ninja (~1 min; `make setup` does it, the CPU image at build time)
 into the user cache, keyed by the sources, the flags and torch's version. Each kernel is compiled for its
@@ -90,3 +93,9 @@ def has_avx512() -> bool:
     """Whether row_attention runs here (not under an AVX2 cap)."""
     module = kernels()
     return module is not None and isa_cap() is None and module.has_avx512()
+
+
+def fused_ops_available() -> bool:
+    """Whether the lean decoder's fused operators (engine/model/csrc/fused_ops.cpp) run here: wherever the module
+    builds, but not under SPECSERVE_CPU_ISA=none."""
+    return kernels() is not None and isa_cap() != "none"

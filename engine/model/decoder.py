@@ -16,6 +16,14 @@ soft-capped where the config says so.
 Each layer's query, key and value projections run as one Linear whose output channels are the three concatenated,
 and its gate and up projections likewise (engine/model/weights.py `fuse_linears`): a Linear computes each output
 channel from its own weights, so the fused layers give the same numbers in fewer, larger kernel calls.
+
+On the CPU with float32 activations the operators between the matmuls are fused too (engine/model/csrc/fused_ops.cpp):
+per layer one call for the rotary embedding of queries and keys (Gemma's query and key norms before it) that also
+writes the keys and values into the pool, one for the residual add and the next norm, one for the gated activation,
+where torch takes some thirty small operators, each costing more in dispatch than in arithmetic at batch 1. Each
+computes every row alone (batch invariance holds); the norms and activations round differently from torch's in the
+last bits (tests/engine/model/test_decoder.py bounds it), the rotary embedding and the residual add do not. Elsewhere
+(CUDA, bfloat16 activations, no C++ compiler, SPECSERVE_CPU_ISA=none) the layers run as torch operators.
 """
 from __future__ import annotations
 
@@ -25,7 +33,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from engine.model.paged_attention import PackedBatch, paged_attention
+from engine.model.cpu_kernels import fused_ops_available
+from engine.model.paged_attention import PackedBatch, attend, paged_attention
 from engine.model.weights import fuse_linears
 
 LLAMA_FORM = {"llama", "qwen2", "mistral"}  # model_type of configs whose decoder layer is exactly the Llama form
@@ -79,12 +88,15 @@ class LeanDecoder:
         self.final_norm = _norm(inner.norm, gemma)
         self.lm_head = model.lm_head
         self.softcap = getattr(config, "final_logit_softcapping", None)
-        self.act = GATED_ACTIVATIONS[getattr(config, "hidden_act", None) or config.hidden_activation]
+        self.activation = getattr(config, "hidden_act", None) or config.hidden_activation
+        self.act = GATED_ACTIVATIONS[self.activation]
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
         self.scaling = (scalar or self.head_dim) ** -0.5
         self.layers = [_layer_weights(config, layer, gemma) for layer in inner.layers]
+        self.next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]  # after each layer
+        self.fuses = fused_ops_available() and all(_fusable(layer) for layer in self.layers)
 
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor, packed: PackedBatch
@@ -92,6 +104,9 @@ class LeanDecoder:
         """input_ids, position_ids [total]; rows [n] packed rows whose logits return -> [n, vocab]."""
         hidden = self.embed(input_ids)  # [total, hidden]
         rotations = {kind: self._rotation(hidden, position_ids, kind) for kind in {x.rotary_type for x in self.layers}}
+        if self.fuses and hidden.dtype == packed.pool.keys.dtype == torch.float32 and hidden.device.type == "cpu":
+            logits = self.lm_head(self._fused_layers(hidden, rotations, packed)[rows])
+            return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
         for layer in self.layers:
             hidden = self._layer(layer, hidden, *rotations[layer.rotary_type], packed)
             if packed.hidden_index is not None and packed.hidden_layer == layer.index + 1:
@@ -105,6 +120,37 @@ class LeanDecoder:
         """cos, sin [total, 1, head_dim] of the rotary embedding of layer type KIND."""
         args = (hidden, position_ids[None]) if kind is None else (hidden, position_ids[None], kind)
         return tuple(t[0, :, None, :] for t in self.rotary(*args))
+
+    def _fused_layers(self, hidden: torch.Tensor, rotations: dict, packed: PackedBatch) -> torch.Tensor:
+        """The layers with the fused operators: HIDDEN [total, hidden] updated in place, layer by layer, to the last
+        layer's output -> that output final-normed. Each layer returns its output normed by the next layer's input
+        norm (the final norm after the last), the residual add and the norm one call."""
+        first = self.layers[0].input_norm
+        normed = torch.ops.specserve.rms_norm(hidden, first.weight, first.eps)
+        for layer, next_norm in zip(self.layers, self.next_norms):
+            normed = self._fused_layer(layer, hidden, normed, next_norm, *rotations[layer.rotary_type], packed)
+            if packed.hidden_index is not None and packed.hidden_layer == layer.index + 1:
+                packed.captured_hidden = hidden[packed.hidden_index].float().cpu()
+        return normed
+
+    def _fused_layer(
+        self, layer: LayerWeights, hidden: torch.Tensor, normed: torch.Tensor, next_norm: Norm, cos: torch.Tensor,
+        sin: torch.Tensor, packed: PackedBatch,
+    ) -> torch.Tensor:
+        """One layer as `_layer` computes it, on NORMED (its input norm of HIDDEN); HIDDEN becomes its output, in
+        place -> that output normed by NEXT_NORM."""
+        ops, pool, query_norm, key_norm = torch.ops.specserve, packed.pool, layer.query_norm, layer.key_norm
+        query = ops.rope_write(
+            layer.qkv(normed), cos, sin, self.num_heads, self.num_kv_heads, _weight(query_norm), _weight(key_norm),
+            _eps(query_norm), pool.layer_keys[layer.index], pool.layer_values[layer.index], packed.write_slots,
+        )
+        attended = attend(layer.index, query, self.scaling, packed, layer.sliding_window)
+        attended = layer.output(attended.view(hidden.shape[0], -1))
+        out_norm, mlp_norm = layer.attention_out_norm, layer.mlp_norm
+        normed = ops.add_rms_norm(hidden, attended, mlp_norm.weight, mlp_norm.eps, _weight(out_norm), _eps(out_norm))
+        mlp = layer.down(ops.gated_activation(layer.gate_up(normed), self.activation))
+        out_norm = layer.mlp_out_norm
+        return ops.add_rms_norm(hidden, mlp, next_norm.weight, next_norm.eps, _weight(out_norm), _eps(out_norm))
 
     def _layer(
         self, layer: LayerWeights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: PackedBatch
@@ -144,6 +190,19 @@ def _layer_weights(config, layer: torch.nn.Module, gemma: bool) -> LayerWeights:
         weights.attention_out_norm = _norm(layer.post_attention_layernorm, gemma)
         weights.mlp_out_norm = _norm(layer.post_feedforward_layernorm, gemma)
     return weights
+
+
+def _fusable(layer: LayerWeights) -> bool:
+    """Whether the fused rotary can norm LAYER's queries and keys (one eps for both; Gemma 3 gives both its own)."""
+    return layer.query_norm is None or layer.query_norm.eps == layer.key_norm.eps
+
+
+def _weight(norm: Norm | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight
+
+
+def _eps(norm: Norm | None) -> float:
+    return 0.0 if norm is None else norm.eps
 
 
 def layer_sliding_window(config, attention: torch.nn.Module) -> int | None:

@@ -3,12 +3,15 @@
 All scheduled sequences' new tokens travel in one sequence `[1, total_new_tokens]`. Each layer writes its new keys and
 values into the shared pool at the slots the forward items give, then attends, for every sequence, over its own keys
 in the pool as its layout says (engine/model/attention_layout.py: a causal chain, or a tree whose tokens see their
-ancestors only). The lean decoder (engine/model/decoder.py) calls `paged_attention`; other architectures reach it
-through transformers' public AttentionInterface, so their model code stays transformers'. Backends, chosen at start-up:
+ancestors only). The lean decoder (engine/model/decoder.py) calls `paged_attention`, or `attend` where its fused
+rotary has written the keys and values; other architectures reach it through transformers' public
+AttentionInterface, so their model code stays transformers'. Backends, chosen at start-up:
 - `sdpa` (CPU and CUDA): short query runs (decoding, verifying drafts) are grouped, their keys and values gathered from
   the pool block-wise and attended in one call (on CPU, batched matmuls over gathered blocks outrun one in-place call
   per request). A long prefill chunk whose context lies in one contiguous run of the pool (the block manager usually
-  places it so) is attended on a view of the pool, nothing copied; otherwise gathered, in a call of its own.
+  places it so) is attended on a view of the pool, nothing copied; otherwise gathered, in a call of its own. With the
+  CPU row kernel every sequence whose context is contiguous is read in place, short runs included (one C++ call per
+  layer for all of them, engine/model/csrc/fused_ops.cpp `spans_attention`).
 - `flash` (CUDA with flash-attn installed): one `flash_attn_varlen_func` call reads the pool through the block tables
   for the batch's chains; a tree in the same batch goes through SDPA. Imported lazily.
 Captures: the attention rows of chosen heads are recomputed here (softmax(q k^T * scale) under the sequence's mask),
@@ -62,6 +65,8 @@ class PagedKVPool:
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
+        # each layer's [num_slots, kv_heads, head_dim], views made once: a layer indexes no tensor to reach its own
+        self.layer_keys, self.layer_values = self.keys.unbind(0), self.values.unbind(0)
 
     @staticmethod
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -69,8 +74,8 @@ class PagedKVPool:
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """key, value: [n, kv_heads, head_dim]; slots: [n]."""
-        self.keys[layer, slots] = key
-        self.values[layer, slots] = value
+        self.layer_keys[layer].index_copy_(0, slots, key)
+        self.layer_values[layer].index_copy_(0, slots, value)
 
     def move(self, moves: list[tuple[int, int]]) -> None:
         """Copy each (from slot, to slot) pair's keys and values in every layer, in order."""
@@ -100,6 +105,7 @@ class PackedBatch:
     write_slots: torch.Tensor  # [total_new_tokens] pool slots of the new tokens
     groups: list[AttentionGroup] = field(default_factory=list)  # sdpa: sequences whose blocks are gathered
     spans: list[InPlaceSpan] = field(default_factory=list)  # sdpa: sequences read in place
+    span_table: tuple | None = None  # the spans' query starts and lengths, first slots, context lengths (row kernel)
     flash: FlashMetadata | None = None  # flash: the chains
     capture_heads: dict[int, list[int]] = field(default_factory=dict)  # layer -> query heads whose rows are captured
     attention_captures: list[AttentionCapture] = field(default_factory=list)
@@ -152,6 +158,30 @@ def _attend_heads_as_rows(
     else:
         o = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scaling)
     return o.reshape(num_reqs, heads, query_len, head_dim)  # CUDA kernels may return other strides
+
+
+def _span_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, span: InPlaceSpan, scaling: float,
+    window: int | None,
+) -> torch.Tensor:
+    """The row kernel over SPAN's keys where they lie in the layer's pool (KEYS, VALUES [slots, kv_heads, head_dim]):
+    query [Q, heads, head_dim] -> [Q, heads, head_dim], the views and the folding of query heads into rows made in
+    one C++ call (engine/model/csrc/fused_ops.cpp), the same arithmetic as `_attend_heads_as_rows`'."""
+    mask = windowed_mask(span.mask, span.positions, window)
+    return torch.ops.specserve.span_attention(query, keys, values, span.first_slot, span.context_len, mask, scaling)
+
+
+def _spans_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: PackedBatch, scaling: float,
+    window: int | None, out: torch.Tensor,
+) -> None:
+    """`_span_attention` for every span of BATCH, in one C++ call that writes their rows of OUT (decoding several
+    requests: no Python per request)."""
+    if batch.span_table is None:  # the same in every layer of the step
+        batch.span_table = tuple([getattr(span, name) for span in batch.spans]
+                                 for name in ("query_start", "query_len", "first_slot", "context_len"))
+    masks = [windowed_mask(span.mask, span.positions, window) for span in batch.spans]
+    torch.ops.specserve.spans_attention(query, keys, values, *batch.span_table, masks, scaling, out)
 
 
 @cache
@@ -246,7 +276,7 @@ def _sdpa(
     window: int | None = None,
 ) -> None:
     """packed_query, out: [total, heads, head_dim]; fills the rows of the grouped and in-place sequences."""
-    keys, values = batch.pool.keys[layer], batch.pool.values[layer]
+    keys, values = batch.pool.layer_keys[layer], batch.pool.layer_values[layer]
     for group in batch.groups:
         num_reqs, max_q = group.query_index.shape
         q = packed_query[group.query_index].transpose(1, 2)  # [R, heads, Q, head_dim]
@@ -258,6 +288,9 @@ def _sdpa(
         v = _gather_group(values, group, group.scratch[1]).transpose(1, 2)
         o = _attend_heads_as_rows(q, k, v, group, scaling, window).transpose(1, 2)  # [R, Q, heads, head_dim]
         out[group.packed_index] = o.reshape(num_reqs * max_q, *o.shape[2:])[group.valid]
+    if batch.spans and packed_query.device.type == "cpu" and _row_kernel_runs():
+        _spans_attention(packed_query, keys, values, batch, scaling, window, out)
+        return
     for span in batch.spans:
         queries = slice(span.query_start, span.query_start + span.query_len)
         positions = slice(span.first_slot, span.first_slot + span.context_len)
@@ -323,6 +356,21 @@ def paged_attention(
     query where the layer has one (keys outside it stay in the pool, unread). query [total, heads, head_dim]; key,
     value [total, kv_heads, head_dim] -> [total, heads, head_dim]."""
     packed_batch.pool.write(layer, key, value, packed_batch.write_slots)
+    return attend(layer, query, scaling, packed_batch, sliding_window)
+
+
+def attend(
+    layer: int, query: torch.Tensor, scaling: float, packed_batch: PackedBatch, sliding_window: int | None = None,
+) -> torch.Tensor:
+    """`paged_attention` after the new tokens' keys and values are in the pool (the lean decoder's fused rotary
+    writes them). A single sequence read in place with the CPU row kernel (decoding alone) is attended in one call,
+    its output returned as it comes."""
+    spans = packed_batch.spans
+    if (len(spans) == 1 and not packed_batch.groups and packed_batch.flash is None and not packed_batch.capture_heads
+            and spans[0].query_len == query.shape[0] and query.device.type == "cpu" and _row_kernel_runs()):
+        pool = packed_batch.pool
+        return _span_attention(query, pool.layer_keys[layer], pool.layer_values[layer], spans[0], scaling,
+                               sliding_window)
     out = torch.empty_like(query)
     if packed_batch.flash is not None:
         _flash(query, layer, packed_batch, scaling, out, sliding_window)

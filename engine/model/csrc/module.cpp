@@ -7,6 +7,21 @@ torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& codes, c
                            const std::optional<torch::Tensor>& mins, int64_t bits, int64_t sub, c10::string_view isa);
 torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                             const torch::Tensor& mask, double scaling, int64_t heads_per_kv_head);
+torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor fused_add_rms_norm(torch::Tensor& hidden, const torch::Tensor& delta, const torch::Tensor& weight,
+                                 double eps, const std::optional<torch::Tensor>& delta_weight, double delta_eps);
+torch::Tensor gated_activation(const torch::Tensor& gate_up, c10::string_view activation);
+torch::Tensor rope_write(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
+                         int64_t kv_heads, const std::optional<torch::Tensor>& q_weight,
+                         const std::optional<torch::Tensor>& k_weight, double eps, torch::Tensor& keys,
+                         torch::Tensor& values, const torch::Tensor& slots);
+torch::Tensor span_attention(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
+                             int64_t first_slot, int64_t context_len, const torch::Tensor& mask, double scaling);
+void spans_attention(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
+                     at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::IntArrayRef first_slots,
+                     at::IntArrayRef context_lens, at::TensorList masks, double scaling, torch::Tensor& out);
+std::string fused_ops_isa();
+void set_fused_ops_isa(const std::string& isa);
 
 bool has_avx512() { return __builtin_cpu_supports("avx512f"); }
 
@@ -18,10 +33,24 @@ TORCH_LIBRARY(specserve, m) {
   m.def("block_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int bits, int sub, str isa) -> Tensor",
         &block_linear);
   m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scaling, int heads_per_kv_head) -> Tensor", &row_attention);
+  // engine/model/csrc/fused_ops.cpp: the lean decoder's small operators, fused
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &fused_rms_norm);
+  m.def("add_rms_norm(Tensor(a!) hidden, Tensor delta, Tensor weight, float eps, Tensor? delta_weight, "
+        "float delta_eps) -> Tensor", &fused_add_rms_norm);
+  m.def("gated_activation(Tensor gate_up, str activation) -> Tensor", &gated_activation);
+  m.def("rope_write(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor? q_weight, Tensor? k_weight, "
+        "float eps, Tensor(a!) keys, Tensor(b!) values, Tensor slots) -> Tensor", &rope_write);
+  m.def("span_attention(Tensor query, Tensor keys, Tensor values, int first_slot, int context_len, Tensor mask, "
+        "float scaling) -> Tensor", &span_attention);
+  m.def("spans_attention(Tensor query, Tensor keys, Tensor values, int[] query_starts, int[] query_lens, "
+        "int[] first_slots, int[] context_lens, Tensor[] masks, float scaling, Tensor(a!) out) -> ()",
+        &spans_attention);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx512", &has_avx512, "whether this CPU runs row_attention (AVX-512F)");
   m.def("has_vnni", &has_vnni, "whether this CPU runs block_linear's AVX512-VNNI variant");
   m.def("has_avx2", &has_avx2, "whether this CPU runs block_linear's AVX2 variant");
+  m.def("fused_ops_isa", &fused_ops_isa, "which variant of fused_ops.cpp runs: avx512, avx2 or generic");
+  m.def("set_fused_ops_isa", &set_fused_ops_isa, "run fused_ops.cpp's avx512, avx2 or generic variant (tests)");
 }
