@@ -35,8 +35,8 @@ PHASES = ("schedule", "forward", "verify", "update", "draft", "wire")
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
               "specserve::block_linear",
               "aten::mkldnn_linear", "aten::_mkl_linear")
-ATTENTION_OPS = ("specserve::row_attention", "scaled_dot_product", "aten::index_select", "aten::index_put_",
-                 "aten::masked_fill", "aten::einsum")
+ATTENTION_OPS = ("specserve::row_attention", "specserve::span_attention", "specserve::spans_attention",
+                 "scaled_dot_product", "aten::index_select", "aten::index_put_", "aten::masked_fill", "aten::einsum")
 
 
 def category(op_name: str) -> str:

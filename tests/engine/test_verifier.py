@@ -114,3 +114,14 @@ def test_the_residual_rule_emits_every_token_with_the_target_probability():
         counts[result.token_ids[0]] += 1
     assert counts[4] == 0, "a token the target gives no mass is never emitted"
     assert chisquare(counts[:4].numpy(), (p[:4] * num_samples).numpy()).pvalue > 1e-3
+
+
+def test_a_large_vocabularys_argmax_in_two_stages_is_the_first_largest_logit():
+    from engine.verifier import greedy_tokens
+
+    logits = torch.randn(5, 262144, generator=torch.Generator().manual_seed(0))
+    logits[1, 1000] = logits[1, 200_000] = 99.0  # a tie across slices: the first index wins
+    logits[2, 7] = logits[2, 9] = 99.0  # a tie within a slice
+    logits[3] = 0.0  # all equal
+    assert greedy_tokens(logits) == logits.argmax(dim=-1).tolist() == [greedy_tokens(logits)[0], 1000, 7, 0,
+                                                                      greedy_tokens(logits)[4]]

@@ -203,6 +203,7 @@ void attend_rows_any(const float* const* q, const float* keys, int64_t key_strid
   switch (d) {
     case 64: return attend_rows<4, N>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
     case 128: return attend_rows<8, N>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
+    case 256: return attend_rows<16, N>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
     default: return attend_rows<0, N>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
   }
 }
