@@ -22,6 +22,7 @@ import torch
 
 from bench.data import data_path
 from bench.exactness import divergence_verdict, first_difference
+from bench.runners import EngineRunner
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model.gguf_cache import loadable_source
@@ -50,9 +51,7 @@ def context_questions(tokenizer, text: str, contexts: tuple[int, ...]) -> list[d
 def definition_check(config: EngineConfig, questions: list[dict], tokenizer, num_tokens: int) -> list[dict]:
     """Per context: specserve's greedy tokens (--weights float32, plain decoding) against transformers' eager
     float32 forward of the same checkpoint."""
-    from transformers import AutoModelForCausalLM
-
-    from bench.runners import EngineRunner
+    from transformers import AutoModelForCausalLM  # local: the benchmark's speed part never loads the eager model
 
     engine = EngineRunner(Engine(replace(config, model=replace(config.model, weights="float32"))))
     path = loadable_source(resolve_model_source(config.model.model)).path
