@@ -138,8 +138,11 @@ def run_step_profile(args, config, tokenizer, out_dir: Path) -> dict:
 
 
 def context_of(tokenizer, question: dict, length: int = CONTEXT_LEN) -> list[int]:
-    """A turn-2 prompt of LENGTH tokens: the question, its own text repeated as the first answer, the second turn."""
+    """A turn-2 prompt of LENGTH tokens: the question, its own text repeated as the first answer, the second turn;
+    as plain text where the model has no chat template (a base model such as Gemma 3 270M)."""
     filler = " ".join([question["turns"][0]] * 20)
+    if getattr(tokenizer, "chat_template", None) is None:
+        return list(tokenizer.encode("\n\n".join([question["turns"][0], filler, question["turns"][1]])))[-length:]
     return turn_prompts(tokenizer, question, filler)[-length:]
 
 

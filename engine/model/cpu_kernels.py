@@ -3,14 +3,14 @@
 - `torch.ops.specserve.block_linear` (engine/model/block_linear.py): GGUF-style weight blocks times activations
   rounded to 8 bits, summed in integers (AVX512-VNNI or AVX2, chosen at run time).
 - `torch.ops.specserve.row_attention` (engine/model/paged_attention.py): attention one query row at a time over the
-  keys it may see (AVX-512F).
+  keys it may see (AVX-512F or AVX2 with FMA, the same bits on each).
 - `torch.ops.specserve.rms_norm`, `add_rms_norm`, `gated_activation`, `rope_write`, `span_attention`
   (engine/model/csrc/fused_ops.cpp, engine/model/decoder.py): a decoder layer's small operators fused, one call where
   torch takes several (AVX-512F, AVX2 or baseline x86-64, the same bits on each; span_attention calls row_attention).
 
 Compiled on first use with a C++ compiler and ninja (~1 min; `make setup` does it, the CPU image at build time)
 into the user cache, keyed by the sources, the flags and torch's version. Each kernel is compiled for its
-instruction set with target attributes, so the module loads on any x86-64 CPU; `cpu_isa`/`has_avx512`
+instruction set with target attributes, so the module loads on any x86-64 CPU; `cpu_isa`/`row_attention_available`
 say what runs here. SPECSERVE_CPU_ISA caps them: `avx2` leaves only the AVX2 variants (to run them on an AVX-512
 machine), `none` none of the kernels. Where the build fails (no compiler) the engine runs torch's own kernels and
 says so in the log.
@@ -29,6 +29,7 @@ import torch
 
 logger = logging.getLogger("specserve.engine")
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # included by the sources: part of the cache key
 # -fopenmp: at::parallel_for is a header template that splits work over torch's OpenMP threads only when the
 # extension is compiled with OpenMP; it then links the libgomp.so.1 that torch has already loaded (same soname)
 # -ffp-contract=off: no fused multiply-adds unless a kernel asks for them, so block_linear's float32 steps round as
@@ -46,7 +47,7 @@ def kernels():
 
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # the venv's ninja
     digest = hashlib.sha256(torch.__version__.encode() + repr(CFLAGS).encode())
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     cache_root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     build_dir = cache_root / "specserve" / "kernels" / digest.hexdigest()[:12]
@@ -89,10 +90,10 @@ def cpu_isa() -> str | None:
     return next((isa for isa in allowed if isa_supported(isa)), None)
 
 
-def has_avx512() -> bool:
-    """Whether row_attention runs here (not under an AVX2 cap)."""
+def row_attention_available() -> bool:
+    """Whether row_attention runs here: its AVX-512F variant, or its AVX2 one (with FMA, or under an AVX2 cap)."""
     module = kernels()
-    return module is not None and isa_cap() is None and module.has_avx512()
+    return module is not None and isa_cap() != "none" and module.row_attention_isa() != "none"
 
 
 def fused_ops_available() -> bool:

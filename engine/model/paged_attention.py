@@ -39,7 +39,7 @@ from engine.model.attention_layout import (
     MaskPositions,
     windowed_mask,
 )
-from engine.model.cpu_kernels import has_avx512
+from engine.model.cpu_kernels import row_attention_available
 
 ATTENTION_NAME = "specserve_paged"
 FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs blocks of a multiple of 256 positions
@@ -186,9 +186,10 @@ def _spans_attention(
 
 @cache
 def _row_kernel_runs() -> bool:
-    """Whether CPU attention runs specserve's row kernel (engine/model/csrc/row_attention.cpp, AVX-512) rather than
-    the batched matmuls below: the same answer all process long, so every forward computes a row the same way."""
-    return has_avx512()
+    """Whether CPU attention runs specserve's row kernel (engine/model/csrc/row_attention.cpp, AVX-512 or AVX2)
+    rather than the batched matmuls below: the same answer all process long, so every forward computes a row the
+    same way."""
+    return row_attention_available()
 
 
 def skips_masked_keys(device: torch.device) -> bool:

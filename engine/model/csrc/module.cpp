@@ -20,6 +20,8 @@ torch::Tensor span_attention(const torch::Tensor& query, const torch::Tensor& ke
 void spans_attention(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
                      at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::IntArrayRef first_slots,
                      at::IntArrayRef context_lens, at::TensorList masks, double scaling, torch::Tensor& out);
+std::string row_attention_isa();
+void set_row_attention_isa(const std::string& isa);
 std::string fused_ops_isa();
 void set_fused_ops_isa(const std::string& isa);
 
@@ -48,7 +50,9 @@ TORCH_LIBRARY(specserve, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("has_avx512", &has_avx512, "whether this CPU runs row_attention (AVX-512F)");
+  m.def("has_avx512", &has_avx512, "whether this CPU has AVX-512F");
+  m.def("row_attention_isa", &row_attention_isa, "which variant of row_attention runs: avx512, avx2 or none");
+  m.def("set_row_attention_isa", &set_row_attention_isa, "run row_attention's avx512 or avx2 variant (tests)");
   m.def("has_vnni", &has_vnni, "whether this CPU runs block_linear's AVX512-VNNI variant");
   m.def("has_avx2", &has_avx2, "whether this CPU runs block_linear's AVX2 variant");
   m.def("fused_ops_isa", &fused_ops_isa, "which variant of fused_ops.cpp runs: avx512, avx2 or generic");

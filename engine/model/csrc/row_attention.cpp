@@ -10,24 +10,69 @@
 // weights' sum in 16 lanes, the weighted values in an even and an odd chain). The query heads that share a KV head
 // are computed together at each query (they share its mask): a block of keys is scored, and a block of values
 // weighed, for all of them while it is in L1, each head's arithmetic exactly that of a row alone.
+//
+// The arithmetic is written once (row_attention_body.h) over 16-float vectors and compiled twice: for AVX-512F (one
+// register) and for AVX2 with FMA (two), chosen at run time (SPECSERVE_CPU_ISA=avx2 picks AVX2 on an AVX-512 CPU).
+// Both give the same bits: lane-wise IEEE operations, the same fused multiply-adds, the same trees of adds.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 namespace {
 
 constexpr int LANES = 16;
 constexpr int MAX_GROUP = 4;  // query rows sharing a mask computed together (they share key and value loads)
+constexpr int VALUE_BLOCK = 32;  // keys whose values are weighed for every row of a group at once (even)
+
+struct Strides {
+  int64_t request, head, row;
+};
+
+Strides strides_of(const torch::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+using AttendGroup = void (*)(int group, const float* const* q, const float* keys, int64_t key_stride,
+                             const float* values, int64_t value_stride, const bool* allowed, int64_t num_keys,
+                             int64_t d, float scale, float* const* scores, std::vector<int32_t>& index,
+                             float* const* out);
+
+}  // namespace
+
+// ---- AVX-512F: a vector is one register ----------------------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace row_avx512 {
+
+using V = __m512;
+
+inline __mmask16 lanes(int64_t n) { return n >= LANES ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vset(float x) { return _mm512_set1_ps(x); }
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline V vloadn(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(lanes(n), p); }  // lanes >= n: 0
+inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
+inline void vstoren(float* p, V v, int64_t n) { _mm512_mask_storeu_ps(p, lanes(n), v); }
+inline V vkeep(V v, int64_t n) { return _mm512_maskz_mov_ps(lanes(n), v); }
+inline V vfmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
+inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
+inline float vreduce_max(V v) { return _mm512_reduce_max_ps(v); }
+// GCC's reduction: lanes l + l+8, then l + l+4, l + l+2, l + l+1: the tree vlane_sums takes per vector
+inline float vreduce_add(V v) { return _mm512_reduce_add_ps(v); }
 
 // exp(x) for x <= 0: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, scaled by 2^n. Inputs below
 // -87 give exp(-87) (~1e-38): weights that vanish beside the row's largest, which is 1.
-__attribute__((target("avx512f"))) inline __m512 exp_nonpositive(__m512 x) {
+inline V vexp_nonpositive(V x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  V r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
+  V p = _mm512_set1_ps(1.0f / 720);
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
@@ -37,19 +82,10 @@ __attribute__((target("avx512f"))) inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// The lanes of a head's channels c .. c + 15 that exist (all but in a last, partial vector).
-inline __mmask16 lanes(int64_t c, int64_t d) { return d - c >= LANES ? 0xFFFF : static_cast<__mmask16>((1u << (d - c)) - 1); }
-
-struct Strides {
-  int64_t request, head, row;
-};
-
-Strides strides_of(const torch::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
-
 // Sums of the lanes of 16 vectors, v[j]'s sum in lane j: four levels of pairwise adds (halves, quarters, pairs,
 // neighbours), the same tree for every vector whatever the others hold.
-__attribute__((target("avx512f"))) inline __m512 lane_sums(const __m512* v) {
-  __m512 halves[8], quarters[4], pairs[2];
+inline V vlane_sums(const V* v) {
+  V halves[8], quarters[4], pairs[2];
   for (int k = 0; k < 8; ++k) {  // [v_2k lanes l + l+8 | v_2k+1 lanes l + l+8], l < 8
     halves[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44), _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
   }
@@ -61,163 +97,115 @@ __attribute__((target("avx512f"))) inline __m512 lane_sums(const __m512* v) {
     pairs[k] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * k], quarters[2 * k + 1], 0x44),
                              _mm512_shuffle_ps(quarters[2 * k], quarters[2 * k + 1], 0xEE));
   }
-  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88), _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD));
+  const V sums = _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88), _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD));
   // lane 4b + p holds the sum of v[4p + b]: put v[j]'s sum in lane j
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
 }
 
-// Scores of N query rows (the heads of one KV head at one query position) against every key: S[n][j] =
-// (q_n . k_j) * scale, each dot product the channels' products in 16 lanes (fused multiply-adds over the head's
-// vectors in order, a last partial vector masked) summed by `lane_sums`: the same bits whichever rows and which
-// block of 16 keys it is computed with. Keys 16 at a time, each block scored for every row while it is in L1.
-template <int CHUNKS, int N>  // CHUNKS: the head's channels in vectors of 16; 0: any number, the last vector masked
-__attribute__((target("avx512f"))) void score_rows(
-    const float* const* q, const float* keys, int64_t key_stride, int64_t num_keys, int64_t d, float scale,
-    float* const* scores) {
-  const int64_t chunks = CHUNKS ? CHUNKS : (d + LANES - 1) / LANES;
-  for (int64_t j0 = 0; j0 < num_keys; j0 += LANES) {
-    const int present = static_cast<int>(std::min<int64_t>(LANES, num_keys - j0));
-    for (int n = 0; n < N; ++n) {
-      __m512 acc[LANES];
-      for (int j = present; j < LANES; ++j) acc[j] = _mm512_setzero_ps();
-      if constexpr (CHUNKS > 0) {
-        __m512 qv[CHUNKS];
-        for (int c = 0; c < CHUNKS; ++c) qv[c] = _mm512_loadu_ps(q[n] + c * LANES);
-        for (int j = 0; j < present; ++j) {
-          const float* key = keys + (j0 + j) * key_stride;
-          __m512 a = _mm512_setzero_ps();
-          for (int c = 0; c < CHUNKS; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(key + c * LANES), a);
-          acc[j] = a;
-        }
-      } else {
-        for (int j = 0; j < present; ++j) {
-          const float* key = keys + (j0 + j) * key_stride;
-          __m512 a = _mm512_setzero_ps();
-          for (int64_t c = 0; c < chunks; ++c) {
-            const __mmask16 m = lanes(c * LANES, d);
-            a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q[n] + c * LANES), _mm512_maskz_loadu_ps(m, key + c * LANES), a);
-          }
-          acc[j] = a;
-        }
-      }
-      _mm512_storeu_ps(scores[n] + j0, _mm512_mul_ps(lane_sums(acc), _mm512_set1_ps(scale)));
-    }
-  }
+#include "row_attention_body.h"
+
+}  // namespace row_avx512
+#pragma GCC pop_options
+
+// ---- AVX2 with FMA: a vector is two registers, lanes 0-7 and 8-15 -----------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace row_avx2 {
+
+struct V {
+  __m256 lo, hi;
+};
+
+// Lanes i < n of 8 starting at lane FIRST as an all-ones mask.
+inline __m256i lanes(int64_t n, int first) {
+  const int64_t count = std::min<int64_t>(std::max<int64_t>(n - first, 0), 8);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V vset(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline V vloadn(const float* p, int64_t n) {
+  if (n >= LANES) return vload(p);
+  return {_mm256_maskload_ps(p, lanes(n, 0)), _mm256_maskload_ps(p + 8, lanes(n, 8))};
+}
+inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
+inline void vstoren(float* p, V v, int64_t n) {
+  if (n >= LANES) return vstore(p, v);
+  _mm256_maskstore_ps(p, lanes(n, 0), v.lo), _mm256_maskstore_ps(p + 8, lanes(n, 8), v.hi);
+}
+inline V vkeep(V v, int64_t n) {
+  return {_mm256_and_ps(v.lo, _mm256_castsi256_ps(lanes(n, 0))), _mm256_and_ps(v.hi, _mm256_castsi256_ps(lanes(n, 8)))};
+}
+inline V vfmadd(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V vadd(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V vsub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline V vmul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V vdiv(V a, V b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline V vmax(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+
+inline float vreduce_max(V v) {
+  const __m256 h = _mm256_max_ps(v.lo, v.hi);
+  __m128 q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_max_ss(q, _mm_shuffle_ps(q, q, 1)));
 }
 
-// One row's softmax over the N keys it may see (INDEX: their keys, in order), in place in SCORES: the
-// allowed scores compacted in key order, exp(s - max) in their place; returns the weights' sum (16 lanes, weight
-// j in lane j % 16, then one lane tree).
-__attribute__((target("avx512f"))) float softmax_weights(float* scores, const std::vector<int32_t>& index, int64_t n) {
-  if (n > 0 && index[n - 1] != n - 1) {  // else the allowed keys are a prefix (a causal row): nothing moves
-    for (int64_t j = 0; j < n; ++j) scores[j] = scores[index[j]];  // j <= index[j]: in place, in order
-  }
-  __m512 vmax = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < n; j += LANES) vmax = _mm512_max_ps(vmax, _mm512_maskz_loadu_ps(lanes(j, n), &scores[j]));
-  const __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));  // a maximum: the same in any order
-  __m512 sums = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += LANES) {  // the buffer holds whole vectors past n
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(&scores[j]), vm));
-    _mm512_storeu_ps(&scores[j], e);
-    sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(lanes(j, n), e));
-  }
-  return _mm512_reduce_add_ps(sums);
+// The lanes' sum by AVX-512's tree: h_l = a_l + a_l+8, q_l = h_l + h_l+4, p_l = q_l + q_l+2, p_0 + p_1.
+inline float vreduce_add(V v) {
+  const __m256 h = _mm256_add_ps(v.lo, v.hi);
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
 }
 
-// N rows' weighted sums of the values of their N allowed keys (INDEX): per row and vector of the head, even and
-// odd keys in two chains added at the end, divided by the row's weight sum. Keys VALUE_BLOCK at a time, each
-// block weighed for every row while its values are in L1 (the chains carried from block to block).
-constexpr int VALUE_BLOCK = 32;  // even
+// AVX-512's exp_nonpositive lane by lane: roundscale is round to nearest even, and scalef(p, n) is p times 2^n, made
+// exactly here from n's exponent bits (n >= -126 for x >= -87: a normal power of two).
+inline __m256 exp_half(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
+inline V vexp_nonpositive(V x) { return {exp_half(x.lo), exp_half(x.hi)}; }
 
-template <int CHUNKS, int N>
-__attribute__((target("avx512f"))) void weigh_values(
-    float* const* weights, const float* totals, const std::vector<int32_t>& index, int64_t n, const float* values,
-    int64_t value_stride, int64_t d, float* const* out) {
-  if constexpr (CHUNKS > 0) {
-    __m512 even[N][CHUNKS], odd[N][CHUNKS];
-    for (int r = 0; r < N; ++r)
-      for (int c = 0; c < CHUNKS; ++c) even[r][c] = odd[r][c] = _mm512_setzero_ps();
-    for (int64_t j0 = 0; j0 < n; j0 += VALUE_BLOCK) {
-      const int64_t stop = std::min<int64_t>(n, j0 + VALUE_BLOCK);
-      for (int r = 0; r < N; ++r) {
-        __m512 e[CHUNKS], o[CHUNKS];
-        for (int c = 0; c < CHUNKS; ++c) e[c] = even[r][c], o[c] = odd[r][c];
-        int64_t j = j0;
-        for (; j + 1 < stop; j += 2) {
-          const __m512 we = _mm512_set1_ps(weights[r][j]), wo = _mm512_set1_ps(weights[r][j + 1]);
-          const float* ve = values + index[j] * value_stride;
-          const float* vo = values + index[j + 1] * value_stride;
-          for (int c = 0; c < CHUNKS; ++c) {
-            e[c] = _mm512_fmadd_ps(we, _mm512_loadu_ps(ve + c * LANES), e[c]);
-            o[c] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(vo + c * LANES), o[c]);
-          }
-        }
-        if (j < stop) {  // the last key of an odd count
-          const __m512 we = _mm512_set1_ps(weights[r][j]);
-          const float* ve = values + index[j] * value_stride;
-          for (int c = 0; c < CHUNKS; ++c) e[c] = _mm512_fmadd_ps(we, _mm512_loadu_ps(ve + c * LANES), e[c]);
-        }
-        for (int c = 0; c < CHUNKS; ++c) even[r][c] = e[c], odd[r][c] = o[c];
-      }
-    }
-    for (int r = 0; r < N; ++r) {
-      const __m512 total = _mm512_set1_ps(totals[r]);
-      for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(out[r] + c * LANES, _mm512_div_ps(_mm512_add_ps(even[r][c], odd[r][c]), total));
-    }
-    return;
-  }
-  for (int r = 0; r < N; ++r) {  // any head size: row by row, vector by vector
-    for (int64_t c = 0; c < d; c += LANES) {
-      const __mmask16 m = lanes(c, d);
-      __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-      int64_t j = 0;
-      for (; j + 1 < n; j += 2) {
-        even = _mm512_fmadd_ps(_mm512_set1_ps(weights[r][j]), _mm512_maskz_loadu_ps(m, values + index[j] * value_stride + c), even);
-        odd = _mm512_fmadd_ps(_mm512_set1_ps(weights[r][j + 1]), _mm512_maskz_loadu_ps(m, values + index[j + 1] * value_stride + c), odd);
-      }
-      if (j < n) even = _mm512_fmadd_ps(_mm512_set1_ps(weights[r][j]), _mm512_maskz_loadu_ps(m, values + index[j] * value_stride + c), even);
-      _mm512_mask_storeu_ps(out[r] + c, m, _mm512_div_ps(_mm512_add_ps(even, odd), _mm512_set1_ps(totals[r])));
-    }
-  }
+inline V vlane_sums(const V* v) {
+  alignas(32) float sums[LANES];
+  for (int j = 0; j < LANES; ++j) sums[j] = vreduce_add(v[j]);
+  return vload(sums);
 }
 
-// Attention of N rows sharing one mask row (ALLOWED [L]): scores, softmax, weighted values. SCORES[n] [padded]
-// and INDEX [padded] are scratch.
-template <int CHUNKS, int N>
-void attend_rows(const float* const* q, const float* keys, int64_t key_stride, const float* values, int64_t value_stride,
-                 const bool* allowed, int64_t num_keys, int64_t d, float scale, float* const* scores,
-                 std::vector<int32_t>& index, float* const* out) {
-  score_rows<CHUNKS, N>(q, keys, key_stride, num_keys, d, scale, scores);
-  int64_t n = 0;
-  for (int64_t j = 0; j < num_keys; ++j) {
-    if (allowed[j]) index[n++] = static_cast<int32_t>(j);
-  }
-  float totals[N];
-  for (int r = 0; r < N; ++r) totals[r] = softmax_weights(scores[r], index, n);
-  weigh_values<CHUNKS, N>(scores, totals, index, n, values, value_stride, d, out);
+#include "row_attention_body.h"
+
+}  // namespace row_avx2
+#pragma GCC pop_options
+
+namespace {
+
+enum class RowIsa { none, avx2, avx512 };
+
+// The best variant this CPU runs, within SPECSERVE_CPU_ISA's cap (engine/model/cpu_kernels.py).
+RowIsa detect_row_isa() {
+  const char* cap = std::getenv("SPECSERVE_CPU_ISA");
+  const std::string capped = cap != nullptr ? cap : "";
+  if (capped == "none" || capped == "NONE") return RowIsa::none;
+  if (capped != "avx2" && capped != "AVX2" && __builtin_cpu_supports("avx512f")) return RowIsa::avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return RowIsa::avx2;
+  return RowIsa::none;
 }
 
-template <int N>
-void attend_rows_any(const float* const* q, const float* keys, int64_t key_stride, const float* values, int64_t value_stride, const bool* allowed, int64_t num_keys, int64_t d, float scale,
-                     float* const* scores, std::vector<int32_t>& index, float* const* out) {
-  switch (d) {
-    case 64: return attend_rows<4, N>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
-    case 128: return attend_rows<8, N>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
-    case 256: return attend_rows<16, N>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
-    default: return attend_rows<0, N>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
-  }
-}
-
-// Up to MAX_GROUP rows that share a mask row at once.
-void attend_group(int group, const float* const* q, const float* keys, int64_t key_stride, const float* values, int64_t value_stride,
-                  const bool* allowed, int64_t num_keys, int64_t d, float scale,
-                  float* const* scores, std::vector<int32_t>& index, float* const* out) {
-  switch (group) {
-    case 1: return attend_rows_any<1>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
-    case 2: return attend_rows_any<2>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
-    case 3: return attend_rows_any<3>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
-    default: return attend_rows_any<4>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
-  }
+RowIsa& current_row_isa() {
+  static RowIsa isa = detect_row_isa();
+  return isa;
 }
 
 // The number of keys a mask row needs scored: up to its last allowed key.
@@ -255,6 +243,9 @@ torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, cons
   float* op = out.data_ptr<float>();
   const float scale = static_cast<float>(scaling);
   const int64_t padded = (L + LANES - 1) / LANES * LANES + LANES;
+  TORCH_CHECK(current_row_isa() != RowIsa::none, "row_attention needs AVX-512F or AVX2 with FMA");
+  const AttendGroup attend_group =
+      current_row_isa() == RowIsa::avx512 ? row_avx512::attend_group : row_avx2::attend_group;
   at::parallel_for(0, R * H * Q, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffers(MAX_GROUP * padded);
     std::vector<int32_t> index(padded);
@@ -280,4 +271,24 @@ torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, cons
     }
   });
   return out;
+}
+
+// Which variant of row_attention runs: "avx512", "avx2" or "none" (tests run each).
+std::string row_attention_isa() {
+  switch (current_row_isa()) {
+    case RowIsa::avx512: return "avx512";
+    case RowIsa::avx2: return "avx2";
+    default: return "none";
+  }
+}
+
+void set_row_attention_isa(const std::string& isa) {
+  if (isa == "avx512") {
+    TORCH_CHECK(__builtin_cpu_supports("avx512f"), "this CPU has no AVX-512F");
+    current_row_isa() = RowIsa::avx512;
+  } else {
+    TORCH_CHECK(isa == "avx2", "isa must be avx512 or avx2");
+    TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "this CPU has no AVX2 with FMA");
+    current_row_isa() = RowIsa::avx2;
+  }
 }

@@ -140,9 +140,9 @@ def test_weights_the_kernel_cannot_multiply_exactly_are_refused():
 
 
 def test_the_isa_cap_is_honoured(monkeypatch):
-    from engine.model.cpu_kernels import cpu_isa, has_avx512
+    from engine.model.cpu_kernels import cpu_isa, row_attention_available
 
     monkeypatch.setenv("SPECSERVE_CPU_ISA", "avx2")
-    assert cpu_isa() == ("avx2" if isa_supported("avx2") else None) and not has_avx512()
+    assert cpu_isa() == ("avx2" if isa_supported("avx2") else None)
     monkeypatch.setenv("SPECSERVE_CPU_ISA", "none")
-    assert cpu_isa() is None and not available()
+    assert cpu_isa() is None and not available() and not row_attention_available()

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model.cpu_kernels import fused_ops_available, has_avx512, kernels
+from engine.model.cpu_kernels import fused_ops_available, kernels, row_attention_available
 from engine.model.decoder import rms_norm, rotate
 
 pytestmark = pytest.mark.skipif(not fused_ops_available(), reason="the fused operators need a C++ compiler on x86-64")
@@ -157,7 +157,7 @@ def test_rope_write_rotates_queries_and_keys_and_writes_the_pool(isa, head_dim, 
         assert torch.equal(alone[0], query[t]) and torch.equal(alone_keys[0], keys[1, slots[t]])
 
 
-@pytest.mark.skipif(not has_avx512(), reason="row_attention needs AVX-512")
+@pytest.mark.skipif(not row_attention_available(), reason="row_attention needs AVX-512F or AVX2 with FMA")
 @pytest.mark.parametrize("num_queries", [1, 3])
 def test_span_attention_is_row_attention_over_views_of_the_pool(num_queries):
     """A sequence's queries over its keys where they lie in the pool: row_attention's bits, the query heads folded
@@ -177,7 +177,7 @@ def test_span_attention_is_row_attention_over_views_of_the_pool(num_queries):
     assert torch.equal(got, expected[0].transpose(0, 1))
 
 
-@pytest.mark.skipif(not has_avx512(), reason="row_attention needs AVX-512")
+@pytest.mark.skipif(not row_attention_available(), reason="row_attention needs AVX-512F or AVX2 with FMA")
 def test_spans_attention_writes_each_spans_rows_as_span_attention_computes_them():
     """Two sequences read in place, their rows of the packed output written in one call; a row of neither left as
     it was."""

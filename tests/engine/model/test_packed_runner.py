@@ -284,13 +284,13 @@ def test_a_tokens_logits_are_bit_identical_whatever_forward_computes_it_within_a
 
 
 def use_attention(attention: str, monkeypatch) -> None:
-    """Makes CPU attention run the row kernel or, as CPUs without AVX-512 do, the batched matmuls."""
+    """Makes CPU attention run the row kernel or, as CPUs without the kernel do, the batched matmuls."""
     import engine.model.paged_attention as paged_attention
 
-    if attention == "matmuls":  # the path of CPUs without AVX-512 (engine/model/csrc/row_attention.cpp needs it)
+    if attention == "matmuls":  # the path of CPUs without AVX2 and FMA, or of a failed kernel build
         monkeypatch.setattr(paged_attention, "_row_kernel_runs", lambda: False)
     elif not paged_attention._row_kernel_runs():
-        pytest.skip("the row attention kernel needs AVX-512 and a C++ compiler")
+        pytest.skip("the row attention kernel needs AVX-512F or AVX2 with FMA and a C++ compiler")
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -1,11 +1,29 @@
 """The CPU row attention kernel: softmax attention over the keys each row may see, and a row's output the same bits
-whatever else is in the call."""
+whatever else is in the call, on each of its variants (AVX-512F, AVX2), which give the same bits."""
 import pytest
 import torch
 
-from engine.model.cpu_kernels import has_avx512
+from engine.model.cpu_kernels import kernels, row_attention_available
 
-pytestmark = pytest.mark.skipif(not has_avx512(), reason="the row attention kernel needs AVX-512 and a C++ compiler")
+pytestmark = pytest.mark.skipif(not row_attention_available(),
+                                reason="the row attention kernel needs AVX-512F or AVX2 with FMA and a C++ compiler")
+VARIANTS = ["avx512", "avx2"]
+
+
+def has_avx512() -> bool:
+    return kernels().has_avx512()
+
+
+@pytest.fixture(autouse=True, params=VARIANTS)
+def variant(request):
+    """Each test on each variant this CPU runs, the process's own restored after it."""
+    module = kernels()
+    if request.param == "avx512" and not has_avx512():
+        pytest.skip("this CPU has no AVX-512F")
+    before = module.row_attention_isa()
+    module.set_row_attention_isa(request.param)
+    yield request.param
+    module.set_row_attention_isa(before)
 
 
 def attend(q, k, v, mask, scale=0.125, heads_per_kv_head=1):
@@ -62,3 +80,21 @@ def test_the_heads_of_a_query_computed_together_get_the_bits_each_gets_alone(hea
     alone = attend(q, k, v, tiled)
     assert torch.equal(attend(q, k, v, tiled, heads_per_kv_head=heads_per_kv_head), alone)
     assert torch.equal(attend(q, k, v, mask, heads_per_kv_head=heads_per_kv_head), alone)  # one mask row per query
+
+
+@pytest.mark.parametrize("head_dim", [256, 64, 40])
+def test_the_avx512_and_avx2_variants_give_the_same_bits(head_dim, variant):
+    """A tree-masked call with a partial last key block and, at 40, a partial last channel vector: both variants."""
+    if not has_avx512():
+        pytest.skip("this CPU has no AVX-512F: only the AVX2 variant runs here")
+    module = kernels()
+    k, v = pool_views(333, kv_heads=1, head_dim=head_dim, seed=7)
+    generator = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 1, 4 * 3, head_dim, generator=generator) * 3
+    mask = torch.rand(1, 1, 3, 333, generator=generator) > 0.4
+    outputs = []
+    for isa in VARIANTS:
+        module.set_row_attention_isa(isa)
+        outputs.append(attend(q, k, v, mask, heads_per_kv_head=4))
+    module.set_row_attention_isa(variant)
+    assert torch.equal(*outputs)

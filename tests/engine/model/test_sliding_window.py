@@ -48,14 +48,14 @@ RUNNERS = list(itertools.product(["row-kernel", "matmuls"], ["all-gathered", "in
 @pytest.fixture(params=RUNNERS, ids=["-".join(p) for p in RUNNERS])
 def runner(request, reference, monkeypatch) -> PackedModelRunner:
     """The runner over a copy of the reference's weights. row-kernel/matmuls: which CPU attention computes (the
-    matmuls are the path of CPUs without AVX-512); all-gathered/in-place: whether sequences with contiguous slots
+    matmuls are the path of CPUs without the kernel); all-gathered/in-place: whether sequences with contiguous slots
     are read in place; chosen/transformers: the runner's own choice of forward (the lean decoder where it supports
     the model) or transformers' forward through the attention interface."""
     attention, path, forward = request.param
     if attention == "matmuls":
         monkeypatch.setattr(paged_attention, "_row_kernel_runs", lambda: False)
     elif not paged_attention._row_kernel_runs():
-        pytest.skip("the row attention kernel needs AVX-512 and a C++ compiler")
+        pytest.skip("the row attention kernel needs AVX-512F or AVX2 with FMA and a C++ compiler")
     model = copy.deepcopy(reference)
     num_layers, kv_heads, head_dim = kv_shape(model.config)
     pool = PagedKVPool(num_layers, NUM_BLOCKS * BLOCK_SIZE, kv_heads, head_dim, torch.float32, torch.device("cpu"))
