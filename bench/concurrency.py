@@ -321,8 +321,8 @@ def _cell(value, spec: str = "") -> str:
     return "–" if value is None else format(value, spec)
 
 
-def markdown_report(rows: list[dict], ratios: list[dict], command: str) -> str:
-    lines = ["# Concurrency, MT-Redundant turn 2", "", ORDER_NOTE, "", f"Command: `{command}`", "",
+def markdown_report(rows: list[dict], ratios: list[dict], command: str, workload: str = "MT-Redundant turn 2") -> str:
+    lines = [f"# Concurrency, {workload}", "", ORDER_NOTE, "", f"Command: `{command}`", "",
              "| concurrency | server | drafter | tok/s | TTFT p50 s | TTFT p99 s | ITL p50 s "
              "| τ | drafted | verified |",
              "|" + "---|" * 10]
@@ -348,7 +348,8 @@ def write_concurrency_results(rows: list[dict], command: str, out_dir: Path, set
     results = {"benchmark": "concurrency", "command": command, **({"setup": setup} if setup else {}),
                "summary": rows, "ratios": ratios}
     (out_dir / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False))
-    (out_dir / "results.md").write_text(markdown_report(rows, ratios, command))
+    workload = (setup or {}).get("workload", "MT-Redundant turn 2")
+    (out_dir / "results.md").write_text(markdown_report(rows, ratios, command, workload))
     _plot_throughput(rows, out_dir / "throughput.png")
 
 
@@ -449,7 +450,9 @@ def run_concurrency_benchmark(
     model = resolve_model_source(args.model).name
     servers = [specserve_under_test(d, engine_flags, model, args.warm_prompts) for d in drafters]
     peers, setup = peers_under_test(args, conversations, tokenizer)
-    setup.update(specserve_flags=engine_flags, order=ORDER, warm_prompts=args.warm_prompts)
+    workload = ("HumanEval completions through /v1/completions" if isinstance(conversations[0], str)
+                else "MT-Redundant turn 2")
+    setup.update(specserve_flags=engine_flags, order=ORDER, warm_prompts=args.warm_prompts, workload=workload)
     command = "specserve " + shlex.join(sys.argv[1:])
     return measure_servers(servers + peers, conversations, args.concurrency, args.requests_per_client,
                            args.max_new_tokens, out_dir,
