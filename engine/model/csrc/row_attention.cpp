@@ -65,22 +65,9 @@ inline float vreduce_max(V v) { return _mm512_reduce_max_ps(v); }
 // GCC's reduction: lanes l + l+8, then l + l+4, l + l+2, l + l+1: the tree vlane_sums takes per vector
 inline float vreduce_add(V v) { return _mm512_reduce_add_ps(v); }
 
-// exp(x) for x <= 0: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, scaled by 2^n. Inputs below
-// -87 give exp(-87) (~1e-38): weights that vanish beside the row's largest, which is 1.
-inline V vexp_nonpositive(V x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-  V r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  V p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+inline V vfnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b, one rounding
+inline V vround(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT); }  // to nearest, ties to even
+inline V vscale(V p, V n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n whole
 
 // Sums of the lanes of 16 vectors, v[j]'s sum in lane j: four levels of pairwise adds (halves, quarters, pairs,
 // neighbours), the same tree for every vector whatever the others hold.
@@ -158,25 +145,19 @@ inline float vreduce_add(V v) {
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
 }
 
-// AVX-512's exp_nonpositive lane by lane: roundscale is round to nearest even, and scalef(p, n) is p times 2^n, made
-// exactly here from n's exponent bits (n >= -126 for x >= -87: a normal power of two).
-inline __m256 exp_half(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+inline V vfnmadd(V a, V b, V c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V vround(V x) {
+  constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(x.lo, nearest), _mm256_round_ps(x.hi, nearest)};
+}
+
+// AVX-512's scalef: p times 2^n, the power made exactly from n's exponent bits (n >= -126 in vexp_nonpositive: a
+// normal float), one rounding as scalef's.
+inline __m256 scale_half(__m256 p, __m256 n) {
   const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
 }
-inline V vexp_nonpositive(V x) { return {exp_half(x.lo), exp_half(x.hi)}; }
+inline V vscale(V p, V n) { return {scale_half(p.lo, n.lo), scale_half(p.hi, n.hi)}; }
 
 inline V vlane_sums(const V* v) {
   alignas(32) float sums[LANES];

@@ -4,6 +4,23 @@
 // included, and the same fixed trees of adds), so a row's output does not depend on which variant computes it.
 // Included only from row_attention.cpp, inside `#pragma GCC target` regions: no include guard, no includes.
 
+// exp(x) for x <= 0: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, scaled by 2^n. Inputs below
+// -87 give exp(-87) (~1e-38): weights that vanish beside the row's largest, which is 1.
+inline V vexp_nonpositive(V x) {
+  x = vmax(x, vset(-87.0f));
+  const V n = vround(vmul(x, vset(1.44269504088896341f)));
+  V r = vfnmadd(n, vset(0.693359375f), x);
+  r = vfnmadd(n, vset(-2.12194440e-4f), r);
+  V p = vset(1.0f / 720);
+  p = vfmadd(p, r, vset(1.0f / 120));
+  p = vfmadd(p, r, vset(1.0f / 24));
+  p = vfmadd(p, r, vset(1.0f / 6));
+  p = vfmadd(p, r, vset(0.5f));
+  p = vfmadd(p, r, vset(1.0f));
+  p = vfmadd(p, r, vset(1.0f));
+  return vscale(p, n);
+}
+
 // Scores of N query rows (the heads of one KV head at one query position) against every key: S[n][j] =
 // (q_n . k_j) * scale, each dot product the channels' products in 16 lanes (fused multiply-adds over the head's
 // vectors in order, a last partial vector masked) summed by `lane_sums`: the same bits whichever rows and which
