@@ -51,6 +51,7 @@ PEER_MIN_BLOCKS = 16  # headroom for small runs (12 MB a block for SmolLM2-135M 
 # specserve's default per-step token budget (SchedulerConfig.max_num_batched_tokens)
 DEFAULT_PEER_MAX_BATCH_TOKENS = 512
 WARMUP_MAX_TOKENS = 8
+WORKLOADS = ("MT-Redundant turn 2", "HumanEval completions through /v1/completions")  # chat, text prompts
 ORDER = "interleaved by level"  # results.json setup["order"]
 ORDER_NOTE = ("All servers up at once; at each level they are driven one after another (the others idle), "
               "in an order reversed at every other level; `measured_at_s` in results.json says when each row was "
@@ -321,7 +322,7 @@ def _cell(value, spec: str = "") -> str:
     return "–" if value is None else format(value, spec)
 
 
-def markdown_report(rows: list[dict], ratios: list[dict], command: str, workload: str = "MT-Redundant turn 2") -> str:
+def markdown_report(rows: list[dict], ratios: list[dict], command: str, workload: str = WORKLOADS[0]) -> str:
     lines = [f"# Concurrency, {workload}", "", ORDER_NOTE, "", f"Command: `{command}`", "",
              "| concurrency | server | drafter | tok/s | TTFT p50 s | TTFT p99 s | ITL p50 s "
              "| τ | drafted | verified |",
@@ -348,7 +349,7 @@ def write_concurrency_results(rows: list[dict], command: str, out_dir: Path, set
     results = {"benchmark": "concurrency", "command": command, **({"setup": setup} if setup else {}),
                "summary": rows, "ratios": ratios}
     (out_dir / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False))
-    workload = (setup or {}).get("workload", "MT-Redundant turn 2")
+    workload = (setup or {}).get("workload", WORKLOADS[0])
     (out_dir / "results.md").write_text(markdown_report(rows, ratios, command, workload))
     _plot_throughput(rows, out_dir / "throughput.png")
 
@@ -450,8 +451,7 @@ def run_concurrency_benchmark(
     model = resolve_model_source(args.model).name
     servers = [specserve_under_test(d, engine_flags, model, args.warm_prompts) for d in drafters]
     peers, setup = peers_under_test(args, conversations, tokenizer)
-    workload = ("HumanEval completions through /v1/completions" if isinstance(conversations[0], str)
-                else "MT-Redundant turn 2")
+    workload = WORKLOADS[isinstance(conversations[0], str)]
     setup.update(specserve_flags=engine_flags, order=ORDER, warm_prompts=args.warm_prompts, workload=workload)
     command = "specserve " + shlex.join(sys.argv[1:])
     return measure_servers(servers + peers, conversations, args.concurrency, args.requests_per_client,
