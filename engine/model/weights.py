@@ -20,7 +20,6 @@ model's dtype.
 from __future__ import annotations
 
 import logging
-from functools import cache
 
 import numpy as np
 import torch
@@ -30,6 +29,7 @@ from engine.config import WEIGHT_MODES  # the choices live with the config, whic
 from engine.model import block_linear
 from engine.model.blocks import BlockWeights
 from engine.model.gguf_blocks import BLOCK_TYPES, block_weights
+from engine.model.gguf_file import gguf_tensors
 
 logger = logging.getLogger("specserve.engine")
 GROUP_SIZE = 32  # weights per int4 group: a GGUF Q4 block
@@ -296,10 +296,3 @@ def _float_linear(parts: list[torch.nn.Linear]) -> torch.nn.Linear:
         fused.bias = torch.nn.Parameter(bias, requires_grad=False)
     return fused
 
-
-@cache
-def gguf_tensors(path: str) -> dict:
-    """The GGUF's tensors by name, memory-mapped (read once per process: a large vocabulary takes seconds)."""
-    from gguf import GGUFReader
-
-    return {tensor.name: tensor for tensor in GGUFReader(path).tensors}

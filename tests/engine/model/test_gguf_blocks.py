@@ -10,6 +10,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from engine.model.gguf_blocks import BLOCK_TYPES, block_weights
+from engine.model.gguf_file import gguf_tensors
 from engine.model.weights import llama_row_order
 
 Q = GGMLQuantizationType
@@ -128,12 +129,10 @@ def test_rows_of_partial_blocks_are_refused():
 
 @pytest.fixture(scope="module")
 def gemma_tensors() -> list:
-    """The Gemma 3 270M GGUF's tensors (read once: its reader takes seconds over the 262k-token vocabulary)."""
+    """The Gemma 3 270M GGUF's tensors."""
     if not GEMMA.exists():
         pytest.skip("the Gemma 3 270M GGUF is not in ~/.cache")
-    from gguf import GGUFReader
-
-    return GGUFReader(GEMMA).tensors
+    return list(gguf_tensors(str(GEMMA)).values())
 
 
 @pytest.mark.parametrize("kind", [Q.Q5_0, Q.Q4_K, Q.Q8_0, Q.Q6_K], ids=lambda kind: kind.name)

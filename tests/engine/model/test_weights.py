@@ -9,8 +9,9 @@ from drafters.config import SpecConfig
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model.blocks import BlockWeights
+from engine.model.gguf_file import gguf_tensors
 from engine.model.model_source import resolve_model_source
-from engine.model.weights import Int4Linear, Int8Linear, file_blocks, gguf_tensors, llama_row_order
+from engine.model.weights import Int4Linear, Int8Linear, file_blocks, llama_row_order
 from engine.wire import SamplingParams
 from scheduler.config import SchedulerConfig
 from tests.engine.helpers import gguf_param, run_to_completion
