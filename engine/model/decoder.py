@@ -22,7 +22,9 @@ per layer one call for the rotary embedding of queries and keys (Gemma's query a
 writes the keys and values into the pool, one for the residual add and the next norm, one for the gated activation,
 where torch takes some thirty small operators, each costing more in dispatch than in arithmetic at batch 1. Each
 computes every row alone (batch invariance holds); the norms and activations round differently from torch's in the
-last bits (tests/engine/model/test_decoder.py bounds it), the rotary embedding and the residual add do not. Elsewhere
+last bits (tests/engine/model/test_decoder.py bounds it), the rotary embedding and the residual add do not. Where the
+projections are GGUF blocks and every row is attended in place (decoding, verifying), the whole layer is one C++ call
+(engine/model/csrc/decoder_layer.cpp), the same kernels in the same order without Python between them. Elsewhere
 (CUDA, bfloat16 activations, no C++ compiler, SPECSERVE_CPU_ISA=none) the layers run as torch operators.
 """
 from __future__ import annotations
@@ -33,9 +35,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from engine.model.block_linear import BlockLinear
 from engine.model.cpu_kernels import fused_ops_available
-from engine.model.paged_attention import PackedBatch, attend, paged_attention
-from engine.model.weights import fuse_linears
+from engine.model.paged_attention import PackedBatch, attend, in_place_spans, paged_attention
+from engine.model.weights import ConcatenatedLinear, fuse_linears
 
 LLAMA_FORM = {"llama", "qwen2", "mistral"}  # model_type of configs whose decoder layer is exactly the Llama form
 GEMMA_FORM = {"gemma3_text"}
@@ -75,6 +78,7 @@ class LayerWeights:
     key_norm: Norm | None = None
     attention_out_norm: Norm | None = None  # on the attention's output, before the residual add (Gemma 3)
     mlp_out_norm: Norm | None = None  # on the MLP's output, before the residual add (Gemma 3)
+    whole_layer_args: tuple | None = None  # the layer's own arguments of decoder_layer, where its kernel runs it
 
 
 class LeanDecoder:
@@ -97,6 +101,9 @@ class LeanDecoder:
         self.layers = [_layer_weights(config, layer, gemma) for layer in inner.layers]
         self.next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]  # after each layer
         self.fuses = fused_ops_available() and all(_fusable(layer) for layer in self.layers)
+        if self.fuses:
+            for layer, next_norm in zip(self.layers, self.next_norms):
+                layer.whole_layer_args = self._whole_layer_args(layer, next_norm)
 
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor, packed: PackedBatch
@@ -127,8 +134,15 @@ class LeanDecoder:
         norm (the final norm after the last), the residual add and the norm one call."""
         first = self.layers[0].input_norm
         normed = torch.ops.specserve.rms_norm(hidden, first.weight, first.eps)
+        pool, whole_layer = packed.pool, torch.ops.specserve.decoder_layer
         for layer, next_norm in zip(self.layers, self.next_norms):
-            normed = self._fused_layer(layer, hidden, normed, next_norm, *rotations[layer.rotary_type], packed)
+            spans = in_place_spans(packed, layer.sliding_window, hidden.shape[0]) if layer.whole_layer_args else None
+            if spans is None:
+                normed = self._fused_layer(layer, hidden, normed, next_norm, *rotations[layer.rotary_type], packed)
+            else:
+                normed = whole_layer(hidden, normed, *rotations[layer.rotary_type], packed.write_slots, *spans,
+                                     pool.layer_keys[layer.index], pool.layer_values[layer.index],
+                                     *layer.whole_layer_args)
             if packed.hidden_index is not None and packed.hidden_layer == layer.index + 1:
                 packed.captured_hidden = hidden[packed.hidden_index].float().cpu()
         return normed
@@ -151,6 +165,22 @@ class LeanDecoder:
         mlp = layer.down(ops.gated_activation(layer.gate_up(normed), self.activation))
         out_norm = layer.mlp_out_norm
         return ops.add_rms_norm(hidden, mlp, next_norm.weight, next_norm.eps, _weight(out_norm), _eps(out_norm))
+
+    def _whole_layer_args(self, layer: LayerWeights, next_norm: Norm) -> tuple | None:
+        """decoder_layer's arguments that are LAYER's own (engine/model/csrc/decoder_layer.cpp: `_fused_layer` in
+        one C++ call), or None unless its four Linears are GGUF blocks of one instruction set."""
+        linears = [_block_parts(linear) for linear in (layer.qkv, layer.output, layer.gate_up, layer.down)]
+        if any(parts is None for parts in linears) or len({part.isa for parts in linears for part in parts}) != 1:
+            return None
+        parts = [part for parts in linears for part in parts]
+        empty = torch.empty(0)
+        weights = [t for p in parts for t in (p.codes, p.scales, empty if p.mins is None else p.mins)]
+        forms = [n for p in parts for n in (p.bits, p.sub, p.out_features)]
+        query_norm, out_norm, mlp_out_norm = layer.query_norm, layer.attention_out_norm, layer.mlp_out_norm
+        return (weights, forms, [len(p) for p in linears], parts[0].isa, self.num_heads, self.num_kv_heads,
+                self.scaling, _weight(query_norm), _weight(layer.key_norm), _eps(query_norm), layer.mlp_norm.weight,
+                layer.mlp_norm.eps, _weight(out_norm), _eps(out_norm), _weight(mlp_out_norm), _eps(mlp_out_norm),
+                next_norm.weight, next_norm.eps, self.activation)
 
     def _layer(
         self, layer: LayerWeights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: PackedBatch
@@ -190,6 +220,12 @@ def _layer_weights(config, layer: torch.nn.Module, gemma: bool) -> LayerWeights:
         weights.attention_out_norm = _norm(layer.post_attention_layernorm, gemma)
         weights.mlp_out_norm = _norm(layer.post_feedforward_layernorm, gemma)
     return weights
+
+
+def _block_parts(linear: torch.nn.Module) -> list[BlockLinear] | None:
+    """LINEAR's GGUF-block parts, whose outputs side by side are its output; None if it is another kind."""
+    parts = list(linear.parts) if isinstance(linear, ConcatenatedLinear) else [linear]
+    return parts if all(isinstance(part, BlockLinear) for part in parts) else None
 
 
 def _fusable(layer: LayerWeights) -> bool:

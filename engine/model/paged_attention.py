@@ -177,11 +177,29 @@ def _spans_attention(
 ) -> None:
     """`_span_attention` for every span of BATCH, in one C++ call that writes their rows of OUT (decoding several
     requests: no Python per request)."""
-    if batch.span_table is None:  # the same in every layer of the step
+    masks = [windowed_mask(span.mask, span.positions, window) for span in batch.spans]
+    torch.ops.specserve.spans_attention(query, keys, values, *_span_table(batch), masks, scaling, out)
+
+
+def _span_table(batch: PackedBatch) -> tuple:
+    """The spans' query starts and lengths, first slots and context lengths: the same in every layer of the step."""
+    if batch.span_table is None:
         batch.span_table = tuple([getattr(span, name) for span in batch.spans]
                                  for name in ("query_start", "query_len", "first_slot", "context_len"))
-    masks = [windowed_mask(span.mask, span.positions, window) for span in batch.spans]
-    torch.ops.specserve.spans_attention(query, keys, values, *batch.span_table, masks, scaling, out)
+    return batch.span_table
+
+
+def in_place_spans(batch: PackedBatch, window: int | None, num_rows: int) -> tuple | None:
+    """(query starts, query lengths, first slots, context lengths, masks narrowed to WINDOW) of BATCH's spans, when
+    the CPU row kernel attends all NUM_ROWS of its rows in place and nothing else is asked of the layer's attention
+    (engine/model/csrc/decoder_layer.cpp runs the whole layer then); else None."""
+    if (batch.groups or batch.flash is not None or batch.capture_heads or not batch.spans
+            or batch.pool.keys.device.type != "cpu" or not _row_kernel_runs()):
+        return None
+    table = _span_table(batch)
+    if sum(table[1]) != num_rows:
+        return None
+    return (*table, [windowed_mask(span.mask, span.positions, window) for span in batch.spans])
 
 
 @cache

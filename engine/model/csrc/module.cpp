@@ -20,6 +20,16 @@ torch::Tensor span_attention(const torch::Tensor& query, const torch::Tensor& ke
 void spans_attention(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
                      at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::IntArrayRef first_slots,
                      at::IntArrayRef context_lens, at::TensorList masks, double scaling, torch::Tensor& out);
+torch::Tensor decoder_layer(
+    torch::Tensor& hidden, const torch::Tensor& normed, const torch::Tensor& cos, const torch::Tensor& sin,
+    const torch::Tensor& slots, at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::IntArrayRef first_slots,
+    at::IntArrayRef context_lens, at::TensorList masks, torch::Tensor& keys, torch::Tensor& values,
+    at::TensorList weights, at::IntArrayRef forms, at::IntArrayRef parts, c10::string_view isa, int64_t heads,
+    int64_t kv_heads, double scaling, const std::optional<torch::Tensor>& q_weight,
+    const std::optional<torch::Tensor>& k_weight, double qk_eps, const torch::Tensor& mlp_norm, double mlp_eps,
+    const std::optional<torch::Tensor>& attention_out_norm, double attention_out_eps,
+    const std::optional<torch::Tensor>& mlp_out_norm, double mlp_out_eps, const torch::Tensor& next_norm,
+    double next_eps, c10::string_view activation);
 std::string row_attention_isa();
 void set_row_attention_isa(const std::string& isa);
 std::string fused_ops_isa();
@@ -47,6 +57,13 @@ TORCH_LIBRARY(specserve, m) {
   m.def("spans_attention(Tensor query, Tensor keys, Tensor values, int[] query_starts, int[] query_lens, "
         "int[] first_slots, int[] context_lens, Tensor[] masks, float scaling, Tensor(a!) out) -> ()",
         &spans_attention);
+  // engine/model/csrc/decoder_layer.cpp: a whole layer of the lean decoder, its projections GGUF blocks
+  m.def("decoder_layer(Tensor(a!) hidden, Tensor normed, Tensor cos, Tensor sin, Tensor slots, int[] query_starts, "
+        "int[] query_lens, int[] first_slots, int[] context_lens, Tensor[] masks, Tensor(b!) keys, Tensor(c!) values, "
+        "Tensor[] weights, int[] forms, int[] parts, str isa, int heads, int kv_heads, float scaling, "
+        "Tensor? q_weight, Tensor? k_weight, float qk_eps, Tensor mlp_norm, float mlp_eps, "
+        "Tensor? attention_out_norm, float attention_out_eps, Tensor? mlp_out_norm, float mlp_out_eps, "
+        "Tensor next_norm, float next_eps, str activation) -> Tensor", &decoder_layer);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -9,7 +9,8 @@
 // out = (sum_j e_j v_j) / (sum_j e_j), each sum in a fixed association over the row's allowed keys in order (the
 // weights' sum in 16 lanes, the weighted values in an even and an odd chain). The query heads that share a KV head
 // are computed together at each query (they share its mask): a block of keys is scored, and a block of values
-// weighed, for all of them while it is in L1, each head's arithmetic exactly that of a row alone.
+// weighed, for all of them while it is in L1, each head's arithmetic exactly that of a row alone (so where
+// there are fewer queries than threads, a query's heads are split over the threads without changing a bit).
 //
 // The arithmetic is written once (row_attention_body.h) over 16-float vectors and compiled twice: for AVX-512F (one
 // register) and for AVX2 with FMA (two), chosen at run time (SPECSERVE_CPU_ISA=avx2 picks AVX2 on an AVX-512 CPU).
@@ -17,6 +18,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -227,19 +229,26 @@ torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, cons
   TORCH_CHECK(current_row_isa() != RowIsa::none, "row_attention needs AVX-512F or AVX2 with FMA");
   const AttendGroup attend_group =
       current_row_isa() == RowIsa::avx512 ? row_avx512::attend_group : row_avx2::attend_group;
-  at::parallel_for(0, R * H * Q, 1, [&](int64_t begin, int64_t end) {
+  // Fewer queries than threads (decoding with one KV head): a query's heads split into smaller groups, one per
+  // thread. Each head's arithmetic is that of a row alone whatever its group, so the split changes no bits.
+  const int64_t queries = R * H * Q, threads = at::get_num_threads();
+  const int64_t per_group =
+      queries >= threads ? MAX_GROUP : std::clamp<int64_t>((G * queries + threads - 1) / threads, 1, MAX_GROUP);
+  const int64_t splits = (G + per_group - 1) / per_group;
+  at::parallel_for(0, queries * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffers(MAX_GROUP * padded);
     std::vector<int32_t> index(padded);
     float* scores[MAX_GROUP];
     for (int n = 0; n < MAX_GROUP; ++n) scores[n] = buffers.data() + n * padded;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / (H * Q), h = item / Q % H, i = item % Q;
+      const int64_t query = item / splits, r = query / (H * Q), h = query / Q % H, i = query % Q;
       const float* keys = kp + r * ks.request + h * ks.head;
       const float* values = vp + r * vs.request + h * vs.head;
       const bool* row_mask = mp + (r * mask_rows + i) * L;
       const int64_t num_keys = keys_needed(row_mask, L);
-      for (int64_t g0 = 0; g0 < G; g0 += MAX_GROUP) {
-        const int group = static_cast<int>(std::min<int64_t>(MAX_GROUP, G - g0));
+      {
+        const int64_t g0 = item % splits * per_group;
+        const int group = static_cast<int>(std::min<int64_t>(per_group, G - g0));
         const float* qrows[MAX_GROUP];
         float* orows[MAX_GROUP];
         for (int n = 0; n < group; ++n) {

@@ -12,7 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
+import engine.model.decoder as decoder
 import engine.model.packed_runner as packed_runner
+from engine.model import block_linear
 from engine.model.blocks import BlockWeights
 from engine.model.cpu_kernels import fused_ops_available
 from engine.model.decoder import supports
@@ -29,13 +31,13 @@ MODES = ["float32", "bfloat16", "int8", "int4", gguf_param()]
 RELATIVE_TOLERANCE = {"float32": 1e-5, "gguf": 1e-5, "bfloat16": 2e-2, "int8": 2e-2, "int4": 2e-2}
 
 
-def runner_for(model_dir, weights, lean, monkeypatch, fused=True):
+def runner_for(model_dir, weights, lean, monkeypatch, fused=True, num_slots=64 * BLOCK_SIZE):
     """A runner over MODEL_DIR's model: the lean decoder (its fused operators where FUSED and they run here) or, not
-    LEAN, transformers' forward."""
+    LEAN, transformers' forward. Sequences are read in place only where their padded keys fit in NUM_SLOTS."""
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     apply_weights(model, weights)
     num_layers, kv_heads, head_dim = kv_shape(model.config)
-    pool = PagedKVPool(num_layers, 64 * BLOCK_SIZE, kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    pool = PagedKVPool(num_layers, num_slots, kv_heads, head_dim, torch.float32, torch.device("cpu"))
     with monkeypatch.context() as patch:
         if not lean:
             patch.setattr(packed_runner, "supports", lambda model: False)
@@ -85,6 +87,35 @@ def test_the_fused_lean_decoder_gives_transformers_logits_within_a_rounding(requ
             scale = expected.abs().amax(dim=-1, keepdim=True)
             assert ((got - expected).abs() <= RELATIVE_TOLERANCE[weights] * scale).all()
             assert torch.equal(got.argmax(dim=-1), expected.argmax(dim=-1))
+
+
+@pytest.mark.skipif(not fused_ops_available(), reason="the fused operators need a C++ compiler on x86-64")
+@pytest.mark.parametrize("weights", [gguf_param()])
+@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_gemma_dir"])
+@pytest.mark.parametrize("concatenated", [False, True], ids=["one-part", "parts"])
+def test_a_whole_layer_in_one_call_gives_its_operators_bits(request, model, weights, concatenated, monkeypatch):
+    """decoder_layer (engine/model/csrc/decoder_layer.cpp) gives the logits of the same layers' fused operators
+    called one by one, bit for bit, in every step of both kinds, Llama and Gemma 3 forms; also where a Linear is
+    parts of different block types (ConcatenatedLinear: one kernel call each)."""
+    if concatenated:
+        def refuse(parts):
+            raise ValueError("as if the parts' block types differed")
+        monkeypatch.setattr(block_linear, "concatenate", refuse)
+    model_dir = request.getfixturevalue(model)
+    whole, one_by_one = (runner_for(model_dir, weights, True, monkeypatch, num_slots=1024) for _ in range(2))
+    assert [len(layer.whole_layer_args[2]) for layer in whole.decoder.layers[:1]] == [4]
+    assert whole.decoder.layers[0].whole_layer_args[2] == ([3, 1, 2, 1] if concatenated else [1, 1, 1, 1])
+    for layer in one_by_one.decoder.layers:
+        layer.whole_layer_args = None
+    whole_layer_calls, in_place_spans = [], decoder.in_place_spans
+    monkeypatch.setattr(decoder, "in_place_spans", lambda *args: whole_layer_calls.append(in_place_spans(*args)) or
+                        whole_layer_calls[-1])
+    steps = steps_of_both_kinds()
+    for items in steps:
+        expected, got = (runner.execute(ForwardBatch(items)).logits for runner in (one_by_one, whole))
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert len(whole_layer_calls) == len(steps) * len(whole.decoder.layers)
+    assert all(spans is not None for spans in whole_layer_calls)
 
 
 @pytest.mark.parametrize("fused", [False, True])

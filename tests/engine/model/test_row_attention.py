@@ -67,18 +67,26 @@ def test_a_rows_output_ignores_the_other_rows_and_the_keys_it_may_not_see():
     assert torch.equal(attend(q[:, :, :1], moved_k, moved_v, spread), whole[:, :, :1])
 
 
-@pytest.mark.parametrize("head_dim,heads_per_kv_head", [(64, 3), (128, 8), (40, 3)])
-def test_the_heads_of_a_query_computed_together_get_the_bits_each_gets_alone(head_dim, heads_per_kv_head):
+@pytest.mark.parametrize("head_dim,heads_per_kv_head,kv_heads,num_queries,threads",
+                         [(64, 3, 2, 5, 2), (128, 8, 2, 5, 2), (40, 3, 2, 5, 2), (256, 4, 1, 1, 2), (256, 4, 1, 1, 4)])
+def test_the_heads_of_a_query_computed_together_get_the_bits_each_gets_alone(
+    head_dim, heads_per_kv_head, kv_heads, num_queries, threads
+):
     """The G query heads of a KV head at one query share a mask row and are computed together (up to 4 at a time,
-    sharing key and value loads); each gets exactly what it gets computed as a row of its own."""
-    num_queries = 5
-    k, v = pool_views(300, kv_heads=2, head_dim=head_dim, seed=5)
+    sharing key and value loads; split over the threads where there are fewer queries than threads, as when
+    decoding with one KV head); each gets exactly what it gets computed as a row of its own."""
+    k, v = pool_views(300, kv_heads=kv_heads, head_dim=head_dim, seed=5)
     generator = torch.Generator().manual_seed(6)
-    q = torch.randn(1, 2, heads_per_kv_head * num_queries, head_dim, generator=generator)
+    q = torch.randn(1, kv_heads, heads_per_kv_head * num_queries, head_dim, generator=generator)
     mask = torch.rand(1, 1, num_queries, 300, generator=generator) > 0.3
     tiled = mask.repeat(1, 1, heads_per_kv_head, 1)  # row g * Q + i: head g at query i
-    alone = attend(q, k, v, tiled)
-    assert torch.equal(attend(q, k, v, tiled, heads_per_kv_head=heads_per_kv_head), alone)
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = attend(q, k, v, tiled)
+        assert torch.equal(attend(q, k, v, tiled, heads_per_kv_head=heads_per_kv_head), alone)
+    finally:
+        torch.set_num_threads(saved_threads)
     assert torch.equal(attend(q, k, v, mask, heads_per_kv_head=heads_per_kv_head), alone)  # one mask row per query
 
 
