@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 # Batch invariance: a token's logits must not depend on the forward it is computed in (decoding, verifying a
 # chain or a tree of drafts, a prefill chunk, beside other requests). With bfloat16 activations (--weights
@@ -94,16 +95,18 @@ class AttentionGroup:
 
 @dataclass
 class InPlaceSpan:
-    """One sequence whose keys occupy consecutive pool slots: attended on a view of the pool, nothing copied."""
+    """One sequence attended where its keys lie in the pool, nothing copied: by the CPU row kernel at its KEY_SLOTS
+    wherever its blocks are, elsewhere on a view of the pool where they occupy consecutive slots (FIRST_SLOT on)."""
 
     query_start: int  # packed index of its first new token
     query_len: int  # Q
-    first_slot: int  # pool slot of its KV index 0
+    first_slot: int | None  # pool slot of its KV index 0 (consecutive slots), or None (the row kernel's KEY_SLOTS)
     context_len: int  # L, padded (padded_key_len)
     mask: torch.Tensor  # [1, 1, heads_per_kv_head * Q, L] True where a query may look
     positions: MaskPositions | None = None  # the query and key positions sliding windows compare
     # window (None: none) -> the CPU path's padded, inverted mask (paged_attention._blocked), made once
     blocked: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    key_slots: torch.Tensor | None = None  # [L] int64 the pool slot of each key (padding: slot 0), for the row kernel
 
 
 @dataclass
@@ -268,15 +271,26 @@ def _add_tail_keys(
 
 
 def in_place_span(
-    member: GroupMember, first_slot: int, heads_per_kv_head: int, device: torch.device, with_positions: bool = True,
+    member: GroupMember, first_slot: int | None, heads_per_kv_head: int, device: torch.device,
+    with_positions: bool = True, block_size: int | None = None,
 ) -> InPlaceSpan:
     """The span of a sequence whose keys lie in consecutive slots from FIRST_SLOT on (the padding keys after them,
-    whatever they hold, are masked); WITH_POSITIONS as `build_group` takes it."""
+    whatever they hold, are masked) or, given BLOCK_SIZE, at the slots of its block table (for the row kernel);
+    WITH_POSITIONS as `build_group` takes it."""
     num_keys = padded_key_len(member.context_len)
     mask = query_mask(member, member.query_len, num_keys, member.ancestors)[None, None]
     mask = _tile_mask(mask, heads_per_kv_head).to(device)
     positions = _layout_positions([member], member.query_len, num_keys, heads_per_kv_head) if with_positions else None
-    return InPlaceSpan(member.query_start, member.query_len, first_slot, num_keys, mask, positions)
+    slots = None if block_size is None else key_slots(member.block_table, member.context_len, num_keys, block_size)
+    return InPlaceSpan(member.query_start, member.query_len, first_slot, num_keys, mask, positions, key_slots=slots)
+
+
+def key_slots(block_table: list[int], context_len: int, num_keys: int, block_size: int) -> torch.Tensor:
+    """[NUM_KEYS] int64: the pool slot of each of a sequence's CONTEXT_LEN keys in BLOCK_TABLE's blocks, then slot 0
+    for the padding keys (masked: never read)."""
+    blocks = torch.tensor(block_table[:-(-context_len // block_size)], dtype=torch.int64)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:context_len]
+    return F.pad(slots, (0, num_keys - context_len))
 
 
 def needs_positions(members: list[GroupMember], narrowest_window: int | None) -> bool:

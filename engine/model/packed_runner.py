@@ -104,14 +104,14 @@ class PackedModelRunner:
         if (len(short) == 1 and not gathered) or skips_masked_keys(self.device):
             long, short = long + short, []  # read in place where their slots allow: see IN_PLACE_MIN_CONTEXT
         gathered += short
+        row_kernel = skips_masked_keys(self.device)  # it reads a sequence's keys wherever its blocks lie
         for member in long:
-            first_slot = self._in_place_first_slot(member)
-            if first_slot is None:
+            first_slot = None if row_kernel else self._in_place_first_slot(member)
+            if member.context_len < self.in_place_min_context or (first_slot is None and not row_kernel):
                 gathered.append(member)
             else:
-                packed.spans.append(
-                    in_place_span(member, first_slot, self.heads_per_kv_head, self.device, with_positions)
-                )
+                packed.spans.append(in_place_span(member, first_slot, self.heads_per_kv_head, self.device,
+                                                  with_positions, self.block_size if row_kernel else None))
         packed.groups = self._groups(gathered, with_positions)
 
     def _lay_out_trees(
@@ -127,8 +127,6 @@ class PackedModelRunner:
         return [member for _, member in trees], []
 
     def _in_place_first_slot(self, member: GroupMember) -> int | None:
-        if member.context_len < self.in_place_min_context:
-            return None
         first_slot = contiguous_first_slot(member.block_table, member.context_len, self.block_size)
         if first_slot is None or first_slot + padded_key_len(member.context_len) > self.pool.keys.shape[1]:
             return None  # the padding keys would run past the pool

@@ -105,7 +105,7 @@ class PackedBatch:
     write_slots: torch.Tensor  # [total_new_tokens] pool slots of the new tokens
     groups: list[AttentionGroup] = field(default_factory=list)  # sdpa: sequences whose blocks are gathered
     spans: list[InPlaceSpan] = field(default_factory=list)  # sdpa: sequences read in place
-    span_table: tuple | None = None  # the spans' query starts and lengths, first slots, context lengths (row kernel)
+    span_table: tuple | None = None  # the spans' query starts and lengths and key slots (row kernel)
     flash: FlashMetadata | None = None  # flash: the chains
     capture_heads: dict[int, list[int]] = field(default_factory=dict)  # layer -> query heads whose rows are captured
     attention_captures: list[AttentionCapture] = field(default_factory=list)
@@ -168,7 +168,7 @@ def _span_attention(
     query [Q, heads, head_dim] -> [Q, heads, head_dim], the views and the folding of query heads into rows made in
     one C++ call (engine/model/csrc/fused_ops.cpp), the same arithmetic as `_attend_heads_as_rows`'."""
     mask = windowed_mask(span.mask, span.positions, window)
-    return torch.ops.specserve.span_attention(query, keys, values, span.first_slot, span.context_len, mask, scaling)
+    return torch.ops.specserve.span_attention(query, keys, values, span.key_slots, mask, scaling)
 
 
 def _spans_attention(
@@ -182,15 +182,15 @@ def _spans_attention(
 
 
 def _span_table(batch: PackedBatch) -> tuple:
-    """The spans' query starts and lengths, first slots and context lengths: the same in every layer of the step."""
+    """The spans' query starts and lengths and key slots: the same in every layer of the step."""
     if batch.span_table is None:
         batch.span_table = tuple([getattr(span, name) for span in batch.spans]
-                                 for name in ("query_start", "query_len", "first_slot", "context_len"))
+                                 for name in ("query_start", "query_len", "key_slots"))
     return batch.span_table
 
 
 def in_place_spans(batch: PackedBatch, window: int | None, num_rows: int) -> tuple | None:
-    """(query starts, query lengths, first slots, context lengths, masks narrowed to WINDOW) of BATCH's spans, when
+    """(query starts, query lengths, key slots, masks narrowed to WINDOW) of BATCH's spans, when
     the CPU row kernel attends all NUM_ROWS of its rows in place and nothing else is asked of the layer's attention
     (engine/model/csrc/decoder_layer.cpp runs the whole layer then); else None."""
     if (batch.groups or batch.flash is not None or batch.capture_heads or not batch.spans

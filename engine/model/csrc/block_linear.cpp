@@ -329,19 +329,21 @@ torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& codes, c
   }
   auto out = torch::empty({M, tiles * TILE}, x.options());
   if (M == 0 || tiles == 0) return out;
-  auto qcodes = torch::empty({M, K}, x.options().dtype(torch::kInt8));
-  auto qscales = torch::empty({M, blocks}, x.options());
-  auto qsums = torch::empty({M, blocks}, x.options());
-  auto qoffsets = torch::empty({M, 2 * blocks}, x.options().dtype(torch::kInt32));
+  // the rounded activations in one allocation (a decoding step makes some seventy calls): scales, sums and
+  // offsets [M, blocks | blocks | 2 blocks] as 4-byte words, then the codes [M, K]
+  auto buffer = torch::empty({M * (4 * blocks + K / 4)}, x.options().dtype(torch::kInt32));
+  float* qscales = reinterpret_cast<float*>(buffer.data_ptr<int32_t>());
+  float* qsums = qscales + M * blocks;
+  int32_t* qoffsets = reinterpret_cast<int32_t*>(qsums + M * blocks);
+  int8_t* qcodes = reinterpret_cast<int8_t*>(qoffsets + M * 2 * blocks);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {  // each row alone: the same codes on any thread
     for (int64_t row = begin; row < end; ++row) {
-      quantize_row(xp + row * K, K, qcodes.data_ptr<int8_t>() + row * K, qscales.data_ptr<float>() + row * blocks,
-                   qsums.data_ptr<float>() + row * blocks, qoffsets.data_ptr<int32_t>() + row * 2 * blocks);
+      quantize_row(xp + row * K, K, qcodes + row * K, qscales + row * blocks, qsums + row * blocks,
+                   qoffsets + row * 2 * blocks);
     }
   });
-  const Activations a{qcodes.data_ptr<int8_t>(), qscales.data_ptr<float>(), qsums.data_ptr<float>(),
-                      qoffsets.data_ptr<int32_t>(), K, blocks};
+  const Activations a{qcodes, qscales, qsums, qoffsets, K, blocks};
   const Weights w{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
                   mins.has_value() ? mins->data_ptr<float>() : nullptr, tiles};
   if (chosen == Isa::vnni) {

@@ -20,8 +20,8 @@ torch::Tensor rope_write(const torch::Tensor& qkv, const torch::Tensor& cos, con
                          const std::optional<torch::Tensor>& k_weight, double eps, torch::Tensor& keys,
                          torch::Tensor& values, const torch::Tensor& slots);
 void spans_attention(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
-                     at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::IntArrayRef first_slots,
-                     at::IntArrayRef context_lens, at::TensorList masks, double scaling, torch::Tensor& out);
+                     at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::TensorList key_slots,
+                     at::TensorList masks, double scaling, torch::Tensor& out);
 
 namespace {
 
@@ -68,12 +68,12 @@ struct Linears {
 
 // hidden [T, n] contiguous float32, updated in place to the layer's output; normed [T, n] its input norm of hidden;
 // cos, sin [T, d]; slots [T] the tokens' pool slots; the spans (query_starts .. masks) cover hidden's rows, each a
-// sequence whose keys lie in CONTEXT_LENS consecutive slots from FIRST_SLOTS on (masks for this layer's window);
+// sequence whose keys lie at its KEY_SLOTS in the pool (masks for this layer's window);
 // keys, values the layer's pool; weights, forms, parts the four Linears' parts -> the output normed by next_norm.
 torch::Tensor decoder_layer(
     torch::Tensor& hidden, const torch::Tensor& normed, const torch::Tensor& cos, const torch::Tensor& sin,
-    const torch::Tensor& slots, at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::IntArrayRef first_slots,
-    at::IntArrayRef context_lens, at::TensorList masks, torch::Tensor& keys, torch::Tensor& values,
+    const torch::Tensor& slots, at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::TensorList key_slots,
+    at::TensorList masks, torch::Tensor& keys, torch::Tensor& values,
     at::TensorList weights, at::IntArrayRef forms, at::IntArrayRef parts, c10::string_view isa, int64_t heads,
     int64_t kv_heads, double scaling, const std::optional<torch::Tensor>& q_weight,
     const std::optional<torch::Tensor>& k_weight, double qk_eps, const torch::Tensor& mlp_norm, double mlp_eps,
@@ -87,7 +87,7 @@ torch::Tensor decoder_layer(
   const auto query = rope_write(linears.apply(0, normed), cos, sin, heads, kv_heads, q_weight, k_weight, qk_eps, keys,
                                 values, slots);
   auto attended = torch::empty_like(query);
-  spans_attention(query, keys, values, query_starts, query_lens, first_slots, context_lens, masks, scaling, attended);
+  spans_attention(query, keys, values, query_starts, query_lens, key_slots, masks, scaling, attended);
   const auto projected = linears.apply(1, attended.view({hidden.size(0), -1}));
   const auto mlp_input = fused_add_rms_norm(hidden, projected, mlp_norm, mlp_eps, attention_out_norm,
                                             attention_out_eps);

@@ -29,7 +29,8 @@
 #include <vector>
 
 torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const torch::Tensor& mask, double scaling, int64_t heads_per_kv_head);
+                            const torch::Tensor& mask, double scaling, int64_t heads_per_kv_head,
+                            const std::optional<torch::Tensor>& key_rows);
 
 namespace {
 
@@ -405,39 +406,38 @@ torch::Tensor rope_write(const torch::Tensor& qkv_in, const torch::Tensor& cos, 
   return query;
 }
 
-// query [Q, H, d] (a sequence's new tokens); keys, values [slots, K, d] the layer's pool, the sequence's keys in
-// CONTEXT_LEN consecutive slots from FIRST_SLOT on; mask [1, 1, G * Q, L] (paged_attention's in-place span) ->
-// [Q, H, d] contiguous: row_attention over views of the pool, its query heads folded into rows as it takes them
-// (decoding, Q = 1: views only, nothing copied).
+// query [Q, H, d] (a sequence's new tokens); keys, values [slots, K, d] the layer's pool; key_slots [L] int64 the pool
+// slot of each of the sequence's L keys, wherever its blocks lie (padding keys: any slot, masked); mask
+// [1, 1, G * Q, L] (paged_attention's in-place span) -> [Q, H, d] contiguous: row_attention reading the keys in the
+// pool, its query heads folded into rows as it takes them (decoding, Q = 1: views only, nothing copied).
 torch::Tensor span_attention(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
-                             int64_t first_slot, int64_t context_len, const torch::Tensor& mask, double scaling) {
-  const int64_t Q = query.size(0), H = query.size(1), d = query.size(2), K = keys.size(1);
-  TORCH_CHECK(H % K == 0 && keys.strides() == values.strides() && first_slot >= 0 &&
-                  first_slot + context_len <= keys.size(0),
-              "span_attention: query heads a multiple of kv heads, keys and values alike, the span inside the pool");
+                             const torch::Tensor& key_slots, const torch::Tensor& mask, double scaling) {
+  const int64_t Q = query.size(0), H = query.size(1), d = query.size(2), K = keys.size(1), S = keys.size(0);
+  TORCH_CHECK(H % K == 0 && keys.strides() == values.strides() && keys.sizes() == values.sizes(),
+              "span_attention: query heads a multiple of kv heads, keys and values alike");
   const int64_t G = H / K;
   const auto q = Q == 1 ? query.reshape({1, K, G, d})
                         : query.reshape({Q, K, G, d}).permute({1, 2, 0, 3}).reshape({1, K, G * Q, d});
-  const std::vector<int64_t> sizes{1, K, context_len, d};
-  const std::vector<int64_t> strides{context_len * keys.stride(0), keys.stride(1), keys.stride(0), 1};
-  const auto k = keys.as_strided(sizes, strides, keys.storage_offset() + first_slot * keys.stride(0));
-  const auto v = values.as_strided(sizes, strides, values.storage_offset() + first_slot * values.stride(0));
-  const auto out = row_attention(q, k, v, mask, scaling, G);  // [1, K, G * Q, d]
+  const std::vector<int64_t> sizes{1, K, S, d};
+  const std::vector<int64_t> strides{S * keys.stride(0), keys.stride(1), keys.stride(0), 1};
+  const auto k = keys.as_strided(sizes, strides, keys.storage_offset());
+  const auto v = values.as_strided(sizes, strides, values.storage_offset());
+  const auto out = row_attention(q, k, v, mask, scaling, G, key_slots.view({1, -1}));  // [1, K, G * Q, d]
   return Q == 1 ? out.view({1, H, d}) : out.view({K, G, Q, d}).permute({2, 0, 1, 3}).contiguous().view({Q, H, d});
 }
 
-// spans_attention: `span_attention` for each of several sequences read in place, written into their rows of OUT
-// [total, H, d]: span i's queries are query[query_starts[i] : + query_lens[i]], its keys CONTEXT_LENS[i] slots from
-// FIRST_SLOTS[i] on, its mask MASKS[i]. One call per layer, whatever the number of sequences.
+// spans_attention: `span_attention` for each of several sequences, written into their rows of OUT [total, H, d]:
+// span i's queries are query[query_starts[i] : + query_lens[i]], its keys at KEY_SLOTS[i], its mask MASKS[i]. One
+// call per layer, whatever the number of sequences.
 void spans_attention(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
-                     at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::IntArrayRef first_slots,
-                     at::IntArrayRef context_lens, at::TensorList masks, double scaling, torch::Tensor& out) {
+                     at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::TensorList key_slots,
+                     at::TensorList masks, double scaling, torch::Tensor& out) {
   const size_t n = query_starts.size();
-  TORCH_CHECK(query_lens.size() == n && first_slots.size() == n && context_lens.size() == n && masks.size() == n,
-              "spans_attention: one start, length, first slot, context length and mask per span");
+  TORCH_CHECK(query_lens.size() == n && key_slots.size() == n && masks.size() == n,
+              "spans_attention: one start, length, key slots and mask per span");
   for (size_t i = 0; i < n; ++i) {
-    const auto rows = span_attention(query.narrow(0, query_starts[i], query_lens[i]), keys, values, first_slots[i],
-                                     context_lens[i], masks[i], scaling);
+    const auto rows = span_attention(query.narrow(0, query_starts[i], query_lens[i]), keys, values, key_slots[i],
+                                     masks[i], scaling);
     out.narrow(0, query_starts[i], query_lens[i]).copy_(rows);
   }
 }

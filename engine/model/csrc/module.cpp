@@ -6,7 +6,8 @@
 torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                            const std::optional<torch::Tensor>& mins, int64_t bits, int64_t sub, c10::string_view isa);
 torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const torch::Tensor& mask, double scaling, int64_t heads_per_kv_head);
+                            const torch::Tensor& mask, double scaling, int64_t heads_per_kv_head,
+                            const std::optional<torch::Tensor>& key_rows);
 torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor fused_add_rms_norm(torch::Tensor& hidden, const torch::Tensor& delta, const torch::Tensor& weight,
                                  double eps, const std::optional<torch::Tensor>& delta_weight, double delta_eps);
@@ -16,14 +17,14 @@ torch::Tensor rope_write(const torch::Tensor& qkv, const torch::Tensor& cos, con
                          const std::optional<torch::Tensor>& k_weight, double eps, torch::Tensor& keys,
                          torch::Tensor& values, const torch::Tensor& slots);
 torch::Tensor span_attention(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
-                             int64_t first_slot, int64_t context_len, const torch::Tensor& mask, double scaling);
+                             const torch::Tensor& key_slots, const torch::Tensor& mask, double scaling);
 void spans_attention(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
-                     at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::IntArrayRef first_slots,
-                     at::IntArrayRef context_lens, at::TensorList masks, double scaling, torch::Tensor& out);
+                     at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::TensorList key_slots,
+                     at::TensorList masks, double scaling, torch::Tensor& out);
 torch::Tensor decoder_layer(
     torch::Tensor& hidden, const torch::Tensor& normed, const torch::Tensor& cos, const torch::Tensor& sin,
-    const torch::Tensor& slots, at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::IntArrayRef first_slots,
-    at::IntArrayRef context_lens, at::TensorList masks, torch::Tensor& keys, torch::Tensor& values,
+    const torch::Tensor& slots, at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::TensorList key_slots,
+    at::TensorList masks, torch::Tensor& keys, torch::Tensor& values,
     at::TensorList weights, at::IntArrayRef forms, at::IntArrayRef parts, c10::string_view isa, int64_t heads,
     int64_t kv_heads, double scaling, const std::optional<torch::Tensor>& q_weight,
     const std::optional<torch::Tensor>& k_weight, double qk_eps, const torch::Tensor& mlp_norm, double mlp_eps,
@@ -44,7 +45,8 @@ bool has_avx2() { return __builtin_cpu_supports("avx2"); }
 TORCH_LIBRARY(specserve, m) {
   m.def("block_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int bits, int sub, str isa) -> Tensor",
         &block_linear);
-  m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scaling, int heads_per_kv_head) -> Tensor", &row_attention);
+  m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scaling, int heads_per_kv_head, "
+        "Tensor? key_rows=None) -> Tensor", &row_attention);
   // engine/model/csrc/fused_ops.cpp: the lean decoder's small operators, fused
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &fused_rms_norm);
   m.def("add_rms_norm(Tensor(a!) hidden, Tensor delta, Tensor weight, float eps, Tensor? delta_weight, "
@@ -52,14 +54,13 @@ TORCH_LIBRARY(specserve, m) {
   m.def("gated_activation(Tensor gate_up, str activation) -> Tensor", &gated_activation);
   m.def("rope_write(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor? q_weight, Tensor? k_weight, "
         "float eps, Tensor(a!) keys, Tensor(b!) values, Tensor slots) -> Tensor", &rope_write);
-  m.def("span_attention(Tensor query, Tensor keys, Tensor values, int first_slot, int context_len, Tensor mask, "
-        "float scaling) -> Tensor", &span_attention);
+  m.def("span_attention(Tensor query, Tensor keys, Tensor values, Tensor key_slots, Tensor mask, float scaling) "
+        "-> Tensor", &span_attention);
   m.def("spans_attention(Tensor query, Tensor keys, Tensor values, int[] query_starts, int[] query_lens, "
-        "int[] first_slots, int[] context_lens, Tensor[] masks, float scaling, Tensor(a!) out) -> ()",
-        &spans_attention);
+        "Tensor[] key_slots, Tensor[] masks, float scaling, Tensor(a!) out) -> ()", &spans_attention);
   // engine/model/csrc/decoder_layer.cpp: a whole layer of the lean decoder, its projections GGUF blocks
   m.def("decoder_layer(Tensor(a!) hidden, Tensor normed, Tensor cos, Tensor sin, Tensor slots, int[] query_starts, "
-        "int[] query_lens, int[] first_slots, int[] context_lens, Tensor[] masks, Tensor(b!) keys, Tensor(c!) values, "
+        "int[] query_lens, Tensor[] key_slots, Tensor[] masks, Tensor(b!) keys, Tensor(c!) values, "
         "Tensor[] weights, int[] forms, int[] parts, str isa, int heads, int kv_heads, float scaling, "
         "Tensor? q_weight, Tensor? k_weight, float qk_eps, Tensor mlp_norm, float mlp_eps, "
         "Tensor? attention_out_norm, float attention_out_eps, Tensor? mlp_out_norm, float mlp_out_eps, "

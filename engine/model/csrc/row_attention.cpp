@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,10 +36,18 @@ struct Strides {
 
 Strides strides_of(const torch::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
-using AttendGroup = void (*)(int group, const float* const* q, const float* keys, int64_t key_stride,
-                             const float* values, int64_t value_stride, const bool* allowed, int64_t num_keys,
-                             int64_t d, float scale, float* const* scores, std::vector<int32_t>& index,
-                             float* const* out);
+// Where each key (or value) of a row lies: key j at base + rows[j] * stride. rows is 0, 1, 2, .. for keys in
+// consecutive slots, and the pool slots of a sequence's keys where its blocks lie apart (read in place, not copied).
+struct KeyRows {
+  const float* base;
+  const int64_t* rows;
+  int64_t stride;
+  const float* at(int64_t j) const { return base + rows[j] * stride; }
+};
+
+using AttendGroup = void (*)(int group, const float* const* q, const KeyRows& keys, const KeyRows& values,
+                             const bool* allowed, int64_t num_keys, int64_t d, float scale, float* const* scores,
+                             std::vector<int32_t>& index, float* const* out);
 
 }  // namespace
 
@@ -200,22 +209,34 @@ int64_t keys_needed(const bool* allowed, int64_t num_keys) {
 
 }  // namespace
 
-// q [R, H, G * Q, d] (G query heads per KV head, head-major: row g * Q + i is head g at query i); k, v [R, H, L, d]
+// q [R, H, G * Q, d] (G query heads per KV head, head-major: row g * Q + i is head g at query i); k, v [R, H, S, d]
 // (last dimension contiguous, any other strides: views of the pool); mask [R, 1, G * Q or Q, L] bool, True where
-// query i may look (rows i < Q read: the G heads of a query share its mask; each query sees at least one key)
-// -> [R, H, G * Q, d]. The G rows of a query are computed together, MAX_GROUP at a time, each as if alone; only
-// the keys up to a query's last allowed one are scored.
+// query i may look (rows i < Q read: the G heads of a query share its mask; each query sees at least one key);
+// key_rows [R, L] int64, the index along S of each of the L keys (None: keys 0 .. L - 1, S = L): a sequence's keys
+// read where they lie in the pool -> [R, H, G * Q, d]. The G rows of a query are computed together, MAX_GROUP at a
+// time, each as if alone; only the keys up to a query's last allowed one are scored.
 torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const torch::Tensor& mask, double scaling, int64_t heads_per_kv_head) {
+                            const torch::Tensor& mask, double scaling, int64_t heads_per_kv_head,
+                            const std::optional<torch::Tensor>& key_rows) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
               "row_attention takes float32");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "the head dimension must be contiguous");
-  const int64_t R = q.size(0), H = q.size(1), rows = q.size(2), d = q.size(3), L = k.size(2), G = heads_per_kv_head;
+  const int64_t R = q.size(0), H = q.size(1), rows = q.size(2), d = q.size(3), G = heads_per_kv_head;
+  const int64_t L = key_rows.has_value() ? key_rows->size(-1) : k.size(2);
   TORCH_CHECK(G >= 1 && rows % G == 0, "rows (", rows, ") must be a multiple of heads_per_kv_head (", G, ")");
+  TORCH_CHECK(k.size(2) == v.size(2), "keys and values must have as many rows");
   const int64_t Q = rows / G;
   const auto allowed = mask.contiguous();
   TORCH_CHECK(allowed.size(0) == R && allowed.size(2) >= Q && allowed.size(3) == L,
               "the mask must have a row per query and a column per key");
+  const auto key_index = key_rows.has_value() ? key_rows->to(torch::kInt64).contiguous().view({-1})
+                                              : torch::arange(L, torch::dtype(torch::kInt64));
+  const int64_t* kr = key_index.data_ptr<int64_t>();
+  if (key_rows.has_value()) {
+    TORCH_CHECK(key_index.numel() == R * L, "key_rows must be [R, L]");
+    for (int64_t j = 0; j < R * L; ++j) TORCH_CHECK(kr[j] >= 0 && kr[j] < k.size(2), "key_rows must index k's rows");
+  }
+  const int64_t key_rows_stride = key_rows.has_value() ? L : 0;
   auto out = torch::empty({R, H, rows, d}, q.options());
   const Strides qs = strides_of(q), ks = strides_of(k), vs = strides_of(v);
   const float* qp = q.data_ptr<float>();
@@ -242,8 +263,8 @@ torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, cons
     for (int n = 0; n < MAX_GROUP; ++n) scores[n] = buffers.data() + n * padded;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t query = item / splits, r = query / (H * Q), h = query / Q % H, i = query % Q;
-      const float* keys = kp + r * ks.request + h * ks.head;
-      const float* values = vp + r * vs.request + h * vs.head;
+      const KeyRows keys{kp + r * ks.request + h * ks.head, kr + r * key_rows_stride, ks.row};
+      const KeyRows values{vp + r * vs.request + h * vs.head, kr + r * key_rows_stride, vs.row};
       const bool* row_mask = mp + (r * mask_rows + i) * L;
       const int64_t num_keys = keys_needed(row_mask, L);
       {
@@ -256,7 +277,7 @@ torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, cons
           qrows[n] = qp + r * qs.request + h * qs.head + row * qs.row;
           orows[n] = op + ((r * H + h) * rows + row) * d;
         }
-        attend_group(group, qrows, keys, ks.row, values, vs.row, row_mask, num_keys, d, scale, scores, index, orows);
+        attend_group(group, qrows, keys, values, row_mask, num_keys, d, scale, scores, index, orows);
       }
     }
   });

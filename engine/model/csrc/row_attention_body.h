@@ -27,7 +27,7 @@ inline V vexp_nonpositive(V x) {
 // block of 16 keys it is computed with. Keys 16 at a time, each block scored for every row while it is in L1.
 template <int CHUNKS, int N>  // CHUNKS: the head's channels in vectors of 16; 0: any number, the last vector masked
 void score_rows(
-    const float* const* q, const float* keys, int64_t key_stride, int64_t num_keys, int64_t d, float scale,
+    const float* const* q, const KeyRows& keys, int64_t num_keys, int64_t d, float scale,
     float* const* scores) {
   const int64_t chunks = CHUNKS ? CHUNKS : (d + LANES - 1) / LANES;
   for (int64_t j0 = 0; j0 < num_keys; j0 += LANES) {
@@ -39,14 +39,14 @@ void score_rows(
         V qv[CHUNKS];
         for (int c = 0; c < CHUNKS; ++c) qv[c] = vload(q[n] + c * LANES);
         for (int j = 0; j < present; ++j) {
-          const float* key = keys + (j0 + j) * key_stride;
+          const float* key = keys.at(j0 + j);
           V a = vzero();
           for (int c = 0; c < CHUNKS; ++c) a = vfmadd(qv[c], vload(key + c * LANES), a);
           acc[j] = a;
         }
       } else {
         for (int j = 0; j < present; ++j) {
-          const float* key = keys + (j0 + j) * key_stride;
+          const float* key = keys.at(j0 + j);
           V a = vzero();
           for (int64_t c = 0; c < chunks; ++c) {
             const int64_t m = d - c * LANES;
@@ -84,8 +84,8 @@ float softmax_weights(float* scores, const std::vector<int32_t>& index, int64_t 
 // block weighed for every row while its values are in L1 (the chains carried from block to block).
 template <int CHUNKS, int N>
 void weigh_values(
-    float* const* weights, const float* totals, const std::vector<int32_t>& index, int64_t n, const float* values,
-    int64_t value_stride, int64_t d, float* const* out) {
+    float* const* weights, const float* totals, const std::vector<int32_t>& index, int64_t n, const KeyRows& values,
+    int64_t d, float* const* out) {
   if constexpr (CHUNKS > 0) {
     V even[N][CHUNKS], odd[N][CHUNKS];
     for (int r = 0; r < N; ++r)
@@ -98,8 +98,8 @@ void weigh_values(
         int64_t j = j0;
         for (; j + 1 < stop; j += 2) {
           const V we = vset(weights[r][j]), wo = vset(weights[r][j + 1]);
-          const float* ve = values + index[j] * value_stride;
-          const float* vo = values + index[j + 1] * value_stride;
+          const float* ve = values.at(index[j]);
+          const float* vo = values.at(index[j + 1]);
           for (int c = 0; c < CHUNKS; ++c) {
             e[c] = vfmadd(we, vload(ve + c * LANES), e[c]);
             o[c] = vfmadd(wo, vload(vo + c * LANES), o[c]);
@@ -107,7 +107,7 @@ void weigh_values(
         }
         if (j < stop) {  // the last key of an odd count
           const V we = vset(weights[r][j]);
-          const float* ve = values + index[j] * value_stride;
+          const float* ve = values.at(index[j]);
           for (int c = 0; c < CHUNKS; ++c) e[c] = vfmadd(we, vload(ve + c * LANES), e[c]);
         }
         for (int c = 0; c < CHUNKS; ++c) even[r][c] = e[c], odd[r][c] = o[c];
@@ -125,10 +125,10 @@ void weigh_values(
       V even = vzero(), odd = vzero();
       int64_t j = 0;
       for (; j + 1 < n; j += 2) {
-        even = vfmadd(vset(weights[r][j]), vloadn(values + index[j] * value_stride + c, m), even);
-        odd = vfmadd(vset(weights[r][j + 1]), vloadn(values + index[j + 1] * value_stride + c, m), odd);
+        even = vfmadd(vset(weights[r][j]), vloadn(values.at(index[j]) + c, m), even);
+        odd = vfmadd(vset(weights[r][j + 1]), vloadn(values.at(index[j + 1]) + c, m), odd);
       }
-      if (j < n) even = vfmadd(vset(weights[r][j]), vloadn(values + index[j] * value_stride + c, m), even);
+      if (j < n) even = vfmadd(vset(weights[r][j]), vloadn(values.at(index[j]) + c, m), even);
       vstoren(out[r] + c, vdiv(vadd(even, odd), vset(totals[r])), m);
     }
   }
@@ -137,39 +137,39 @@ void weigh_values(
 // Attention of N rows sharing one mask row (ALLOWED [L]): scores, softmax, weighted values. SCORES[n] [padded]
 // and INDEX [padded] are scratch.
 template <int CHUNKS, int N>
-void attend_rows(const float* const* q, const float* keys, int64_t key_stride, const float* values, int64_t value_stride,
+void attend_rows(const float* const* q, const KeyRows& keys, const KeyRows& values,
                  const bool* allowed, int64_t num_keys, int64_t d, float scale, float* const* scores,
                  std::vector<int32_t>& index, float* const* out) {
-  score_rows<CHUNKS, N>(q, keys, key_stride, num_keys, d, scale, scores);
+  score_rows<CHUNKS, N>(q, keys, num_keys, d, scale, scores);
   int64_t n = 0;
   for (int64_t j = 0; j < num_keys; ++j) {
     if (allowed[j]) index[n++] = static_cast<int32_t>(j);
   }
   float totals[N];
   for (int r = 0; r < N; ++r) totals[r] = softmax_weights(scores[r], index, n);
-  weigh_values<CHUNKS, N>(scores, totals, index, n, values, value_stride, d, out);
+  weigh_values<CHUNKS, N>(scores, totals, index, n, values, d, out);
 }
 
 template <int N>
-void attend_rows_any(const float* const* q, const float* keys, int64_t key_stride, const float* values, int64_t value_stride, const bool* allowed, int64_t num_keys, int64_t d, float scale,
+void attend_rows_any(const float* const* q, const KeyRows& keys, const KeyRows& values, const bool* allowed, int64_t num_keys, int64_t d, float scale,
                      float* const* scores, std::vector<int32_t>& index, float* const* out) {
   switch (d) {
-    case 64: return attend_rows<4, N>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
-    case 128: return attend_rows<8, N>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
-    case 256: return attend_rows<16, N>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
-    default: return attend_rows<0, N>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
+    case 64: return attend_rows<4, N>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
+    case 128: return attend_rows<8, N>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
+    case 256: return attend_rows<16, N>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
+    default: return attend_rows<0, N>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
   }
 }
 
 // Up to MAX_GROUP rows that share a mask row at once.
-void attend_group(int group, const float* const* q, const float* keys, int64_t key_stride, const float* values, int64_t value_stride,
+void attend_group(int group, const float* const* q, const KeyRows& keys, const KeyRows& values,
                   const bool* allowed, int64_t num_keys, int64_t d, float scale,
                   float* const* scores, std::vector<int32_t>& index, float* const* out) {
   switch (group) {
-    case 1: return attend_rows_any<1>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
-    case 2: return attend_rows_any<2>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
-    case 3: return attend_rows_any<3>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
-    default: return attend_rows_any<4>(q, keys, key_stride, values, value_stride, allowed, num_keys, d, scale, scores, index, out);
+    case 1: return attend_rows_any<1>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
+    case 2: return attend_rows_any<2>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
+    case 3: return attend_rows_any<3>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
+    default: return attend_rows_any<4>(q, keys, values, allowed, num_keys, d, scale, scores, index, out);
   }
 }
 

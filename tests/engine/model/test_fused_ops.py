@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.model.attention_layout import key_slots
 from engine.model.cpu_kernels import fused_ops_available, kernels, row_attention_available
 from engine.model.decoder import rms_norm, rotate
 
@@ -159,22 +160,35 @@ def test_rope_write_rotates_queries_and_keys_and_writes_the_pool(isa, head_dim, 
 
 @pytest.mark.skipif(not row_attention_available(), reason="row_attention needs AVX-512F or AVX2 with FMA")
 @pytest.mark.parametrize("num_queries", [1, 3])
-def test_span_attention_is_row_attention_over_views_of_the_pool(num_queries):
-    """A sequence's queries over its keys where they lie in the pool: row_attention's bits, the query heads folded
-    into rows as paged_attention folds them."""
-    heads, kv_heads, head_dim, first_slot, context_len = 9, 3, 64, 8, 384
-    keys, values = randn(512, kv_heads, head_dim, seed=10), randn(512, kv_heads, head_dim, seed=11)
+@pytest.mark.parametrize("blocks", ["consecutive", "scattered"])
+def test_span_attention_reads_a_sequences_keys_where_they_lie_in_the_pool(num_queries, blocks):
+    """A sequence's queries over its keys at their pool slots, in consecutive slots or in blocks scattered over the
+    pool (the padding keys' slots anything): the bits of row_attention over a copy of those keys in order, the query
+    heads folded into rows as paged_attention folds them."""
+    heads, kv_heads, head_dim, context_len, num_keys, block_size = 9, 3, 64, 300, 384, 16
+    keys, values = randn(1024, kv_heads, head_dim, seed=10), randn(1024, kv_heads, head_dim, seed=11)
     query = randn(num_queries, heads, head_dim, seed=12)
     group = heads // kv_heads
-    mask = torch.zeros(1, 1, group * num_queries, context_len, dtype=torch.bool)
-    mask[..., :300] = True
-    got = ops().span_attention(query, keys, values, first_slot, context_len, mask, 0.125)
+    mask = torch.zeros(1, 1, group * num_queries, num_keys, dtype=torch.bool)
+    mask[..., :context_len] = True
+    table = list(range(1, 25)) if blocks == "consecutive" else torch.randperm(
+        64, generator=torch.Generator().manual_seed(3))[:24].tolist()
+    slots = key_slots(table, context_len, num_keys, block_size)
+    got = ops().span_attention(query, keys, values, slots, mask, 0.125)
     q = query.transpose(0, 1).reshape(1, kv_heads, group * num_queries, head_dim)
-    k = keys[first_slot:first_slot + context_len].transpose(0, 1)[None]
-    v = values[first_slot:first_slot + context_len].transpose(0, 1)[None]
+    k, v = (pool[slots].transpose(0, 1)[None] for pool in (keys, values))  # copies, in key order
     expected = ops().row_attention(q, k, v, mask, 0.125, group).reshape(1, heads, num_queries, head_dim)
     assert got.is_contiguous()
     assert torch.equal(got, expected[0].transpose(0, 1))
+    assert torch.equal(slots[:context_len], torch.tensor([b * block_size + i for b in table for i in range(16)])[:300])
+
+
+@pytest.mark.skipif(not row_attention_available(), reason="row_attention needs AVX-512F or AVX2 with FMA")
+def test_a_key_slot_outside_the_pool_is_refused():
+    keys = randn(64, 1, 64, seed=1)
+    mask = torch.ones(1, 1, 1, 16, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="key_rows must index"):
+        ops().span_attention(randn(1, 1, 64, seed=2), keys, keys, torch.arange(60, 76), mask, 0.125)
 
 
 @pytest.mark.skipif(not row_attention_available(), reason="row_attention needs AVX-512F or AVX2 with FMA")
@@ -184,17 +198,16 @@ def test_spans_attention_writes_each_spans_rows_as_span_attention_computes_them(
     heads, kv_heads, head_dim = 4, 2, 64
     keys, values = randn(1024, kv_heads, head_dim, seed=13), randn(1024, kv_heads, head_dim, seed=14)
     query = randn(6, heads, head_dim, seed=15)
-    spans = [(0, 1, 16, 384), (1, 4, 512, 448)]  # query start, queries, first slot, keys
+    spans = [(0, 1, torch.arange(16, 16 + 384)), (1, 4, torch.arange(1023, 1023 - 448, -1))]  # start, queries, slots
     masks = []
-    for _, num_queries, _, context_len in spans:
-        mask = torch.ones(1, 1, 2 * num_queries, context_len, dtype=torch.bool)
-        mask[..., context_len - 30:] = False
+    for _, num_queries, slots in spans:
+        mask = torch.ones(1, 1, 2 * num_queries, len(slots), dtype=torch.bool)
+        mask[..., len(slots) - 30:] = False
         masks.append(mask)
     out = torch.full_like(query, float("nan"))
-    starts, lengths, slots, contexts = (list(column) for column in zip(*spans))
-    ops().spans_attention(query, keys, values, starts, lengths, slots, contexts, masks, 0.125, out)
-    for (start, num_queries, first_slot, context_len), mask in zip(spans, masks):
-        expected = ops().span_attention(query[start:start + num_queries], keys, values, first_slot, context_len,
-                                        mask, 0.125)
+    starts, lengths, slots = (list(column) for column in zip(*spans))
+    ops().spans_attention(query, keys, values, starts, lengths, slots, masks, 0.125, out)
+    for (start, num_queries, key_slots_of_span), mask in zip(spans, masks):
+        expected = ops().span_attention(query[start:start + num_queries], keys, values, key_slots_of_span, mask, 0.125)
         assert torch.equal(out[start:start + num_queries], expected)
     assert torch.isnan(out[5]).all()
