@@ -37,10 +37,9 @@ from engine.model.paged_attention import (
 # A long prefill chunk whose context is at least this long is read in place when its slots are contiguous, and so is
 # a short run (decoding, verifying drafts) when it is the step's only one. Short runs of several requests are gathered
 # into one call, which costs less than one call per request, while a request decoding alone saves the gather. Where
-# attention skips masked keys (the CPU row kernel) the padding keys cost nothing, so any context, short runs of
-# several requests included, is read in place when its slots are contiguous (all of a step's in one C++ call, and no
-# keys copied: 4-10% off a step decoding 2 to 16 requests); block tables fragment as requests come and go, and then
-# it gathers.
+# attention skips masked keys (the CPU row kernel) the padding keys cost nothing and the kernel reads each key at its
+# block table's slot, so every sequence, short runs of several requests included, is read in place wherever its
+# blocks lie (all of a step's in one C++ call, no keys copied).
 IN_PLACE_MIN_CONTEXT = 256
 
 

@@ -10,8 +10,8 @@ AttentionInterface, so their model code stays transformers'. Backends, chosen at
   the pool block-wise and attended in one call (on CPU, batched matmuls over gathered blocks outrun one in-place call
   per request). A long prefill chunk whose context lies in one contiguous run of the pool (the block manager usually
   places it so) is attended on a view of the pool, nothing copied; otherwise gathered, in a call of its own. With the
-  CPU row kernel every sequence whose context is contiguous is read in place, short runs included (one C++ call per
-  layer for all of them, engine/model/csrc/fused_ops.cpp `spans_attention`).
+  CPU row kernel every sequence is read in place at its block table's slots, wherever its blocks lie, short runs
+  included (one C++ call per layer for all of them, engine/model/csrc/fused_ops.cpp `spans_attention`).
 - `flash` (CUDA with flash-attn installed): one `flash_attn_varlen_func` call reads the pool through the block tables
   for the batch's chains; a tree in the same batch goes through SDPA. Imported lazily.
 Captures: the attention rows of chosen heads are recomputed here (softmax(q k^T * scale) under the sequence's mask),
