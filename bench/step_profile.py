@@ -3,10 +3,10 @@
 In-process engine on the served model. B requests with 512-token contexts (an MT-Redundant question, its text repeated
 as a long first answer, and its second turn) are prefilled; then each measured step is timed phase by phase
 (schedule, forward, verify, update, draft, the wire's encoding of the step's outputs), and the forward's operators are
-timed with torch's profiler and sorted into matmuls, attention, the other tensor operators, and what is left of the
-forward's wall time: Python, transformers' module calls and PyTorch's dispatch. A verify step carries 15 drafted
-tokens per request (the planner off, every one verified); its drafts copy the request's own prompt. Each figure is the
-median over the repeats.
+timed with torch's profiler and sorted into matmuls, attention, the other tensor operators, whole decoder layers run as
+one C++ call, and what is left of the forward's wall time: Python, transformers' module calls and PyTorch's dispatch.
+A verify step carries 15 drafted tokens per request (the planner off, every one verified); its drafts copy the
+request's own prompt. Each figure is the median over the repeats.
 """
 from __future__ import annotations
 
@@ -35,11 +35,14 @@ PHASES = ("schedule", "forward", "verify", "update", "draft", "wire")
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
               "specserve::block_linear",
               "aten::mkldnn_linear", "aten::_mkl_linear")
+WHOLE_LAYER_OP = "specserve::decoder_layer"  # a decoder layer in one call: its matmuls, attention and norms inside
 ATTENTION_OPS = ("specserve::row_attention", "specserve::span_attention", "specserve::spans_attention",
                  "scaled_dot_product", "aten::index_select", "aten::index_put_", "aten::masked_fill", "aten::einsum")
 
 
 def category(op_name: str) -> str:
+    if op_name.startswith(WHOLE_LAYER_OP):
+        return "whole layers"
     if any(op_name.startswith(m) for m in MATMUL_OPS):
         return "matmuls"
     if any(a in op_name for a in ATTENTION_OPS):
@@ -97,7 +100,7 @@ def timed_step(engine, profile: bool) -> tuple[dict[str, float], dict[str, float
 
 
 def operator_times(profiler) -> dict[str, float]:
-    by_category = {"matmuls": 0.0, "attention": 0.0, "other operators": 0.0}
+    by_category = {"matmuls": 0.0, "attention": 0.0, "other operators": 0.0, "whole layers": 0.0}
     for event in profiler.key_averages():
         if "::" in event.key:
             by_category[category(event.key)] += event.self_cpu_time_total / 1000
@@ -152,7 +155,9 @@ def markdown(results: dict) -> str:
              f"Command: `{results['command']}`", "",
              "Milliseconds, median of the repeats. The forward's wall time (unprofiled steps) is split into its "
              "operators' own times by category (profiled steps; the profiler slows them, so they are upper bounds) and "
-             "what they leave: Python, transformers' module calls and dispatch.", "",
+             "what they leave: Python, transformers' module calls and dispatch. Whole layers: decoder layers run as "
+             "one C++ call each (engine/model/csrc/decoder_layer.cpp), their matmuls, attention and small operators "
+             "inside it; the LM head's matmul stays under matmuls.", "",
              "| batch | step | tokens | step ms | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 4)]
     for row in results["rows"]:
         values = [*row["phases_ms"].values(), *row["forward_ms"].values()]
