@@ -28,9 +28,8 @@
 #include <string>
 #include <vector>
 
-torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const torch::Tensor& mask, double scaling, int64_t heads_per_kv_head,
-                            const std::optional<torch::Tensor>& key_rows);
+#include "row_attention.h"
+
 
 namespace {
 
@@ -406,12 +405,12 @@ torch::Tensor rope_write(const torch::Tensor& qkv_in, const torch::Tensor& cos, 
   return query;
 }
 
-// query [Q, H, d] (a sequence's new tokens); keys, values [slots, K, d] the layer's pool; key_slots [L] int64 the pool
-// slot of each of the sequence's L keys, wherever its blocks lie (padding keys: any slot, masked); mask
-// [1, 1, G * Q, L] (paged_attention's in-place span) -> [Q, H, d] contiguous: row_attention reading the keys in the
-// pool, its query heads folded into rows as it takes them (decoding, Q = 1: views only, nothing copied).
-torch::Tensor span_attention(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
-                             const torch::Tensor& key_slots, const torch::Tensor& mask, double scaling) {
+namespace {
+
+// row_attention's operands for a sequence's queries [Q, H, d] over its keys at KEY_SLOTS in the pool (keys, values
+// [slots, K, d]): its query heads folded into rows, the pool as [1, K, slots, d] (views: nothing copied when Q = 1).
+RowAttentionArgs span_args(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
+                           const torch::Tensor& key_slots, const torch::Tensor& mask, double scaling) {
   const int64_t Q = query.size(0), H = query.size(1), d = query.size(2), K = keys.size(1), S = keys.size(0);
   TORCH_CHECK(H % K == 0 && keys.strides() == values.strides() && keys.sizes() == values.sizes(),
               "span_attention: query heads a multiple of kv heads, keys and values alike");
@@ -420,25 +419,45 @@ torch::Tensor span_attention(const torch::Tensor& query, const torch::Tensor& ke
                         : query.reshape({Q, K, G, d}).permute({1, 2, 0, 3}).reshape({1, K, G * Q, d});
   const std::vector<int64_t> sizes{1, K, S, d};
   const std::vector<int64_t> strides{S * keys.stride(0), keys.stride(1), keys.stride(0), 1};
-  const auto k = keys.as_strided(sizes, strides, keys.storage_offset());
-  const auto v = values.as_strided(sizes, strides, values.storage_offset());
-  const auto out = row_attention(q, k, v, mask, scaling, G, key_slots.view({1, -1}));  // [1, K, G * Q, d]
+  return {q, keys.as_strided(sizes, strides, keys.storage_offset()),
+          values.as_strided(sizes, strides, values.storage_offset()), mask, scaling, G, key_slots.view({1, -1})};
+}
+
+// row_attention's [1, K, G * Q, d] back as the span's [Q, H, d], contiguous.
+torch::Tensor span_rows(const torch::Tensor& out, int64_t Q, int64_t H, int64_t d) {
+  const int64_t K = out.size(1), G = H / K;
   return Q == 1 ? out.view({1, H, d}) : out.view({K, G, Q, d}).permute({2, 0, 1, 3}).contiguous().view({Q, H, d});
+}
+
+}  // namespace
+
+// query [Q, H, d] (a sequence's new tokens); keys, values [slots, K, d] the layer's pool; key_slots [L] int64 the pool
+// slot of each of the sequence's L keys, wherever its blocks lie (padding keys: any slot, masked); mask
+// [1, 1, G * Q, L] (paged_attention's in-place span) -> [Q, H, d] contiguous: row_attention reading the keys in the
+// pool, its query heads folded into rows as it takes them.
+torch::Tensor span_attention(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
+                             const torch::Tensor& key_slots, const torch::Tensor& mask, double scaling) {
+  const auto out = row_attention_all({span_args(query, keys, values, key_slots, mask, scaling)})[0];
+  return span_rows(out, query.size(0), query.size(1), query.size(2));
 }
 
 // spans_attention: `span_attention` for each of several sequences, written into their rows of OUT [total, H, d]:
 // span i's queries are query[query_starts[i] : + query_lens[i]], its keys at KEY_SLOTS[i], its mask MASKS[i]. One
-// call per layer, whatever the number of sequences.
+// parallel loop per layer over all of their rows, whatever the number of sequences.
 void spans_attention(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
                      at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::TensorList key_slots,
                      at::TensorList masks, double scaling, torch::Tensor& out) {
   const size_t n = query_starts.size();
   TORCH_CHECK(query_lens.size() == n && key_slots.size() == n && masks.size() == n,
               "spans_attention: one start, length, key slots and mask per span");
+  std::vector<RowAttentionArgs> calls;
   for (size_t i = 0; i < n; ++i) {
-    const auto rows = span_attention(query.narrow(0, query_starts[i], query_lens[i]), keys, values, key_slots[i],
-                                     masks[i], scaling);
-    out.narrow(0, query_starts[i], query_lens[i]).copy_(rows);
+    calls.push_back(span_args(query.narrow(0, query_starts[i], query_lens[i]), keys, values, key_slots[i], masks[i],
+                              scaling));
+  }
+  const auto outs = row_attention_all(calls);
+  for (size_t i = 0; i < n; ++i) {
+    out.narrow(0, query_starts[i], query_lens[i]).copy_(span_rows(outs[i], query_lens[i], query.size(1), query.size(2)));
   }
 }
 

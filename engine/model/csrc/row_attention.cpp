@@ -24,6 +24,8 @@
 #include <string>
 #include <vector>
 
+#include "row_attention.h"
+
 namespace {
 
 constexpr int LANES = 16;
@@ -209,79 +211,120 @@ int64_t keys_needed(const bool* allowed, int64_t num_keys) {
 
 }  // namespace
 
-// q [R, H, G * Q, d] (G query heads per KV head, head-major: row g * Q + i is head g at query i); k, v [R, H, S, d]
-// (last dimension contiguous, any other strides: views of the pool); mask [R, 1, G * Q or Q, L] bool, True where
-// query i may look (rows i < Q read: the G heads of a query share its mask; each query sees at least one key);
-// key_rows [R, L] int64, the index along S of each of the L keys (None: keys 0 .. L - 1, S = L): a sequence's keys
-// read where they lie in the pool -> [R, H, G * Q, d]. The G rows of a query are computed together, MAX_GROUP at a
-// time, each as if alone; only the keys up to a query's last allowed one are scored.
-torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const torch::Tensor& mask, double scaling, int64_t heads_per_kv_head,
-                            const std::optional<torch::Tensor>& key_rows) {
+namespace {
+
+// One call's operands, checked, and the tensors it reads and writes kept alive.
+struct Call {
+  torch::Tensor allowed, key_index, out;
+  const float *qp, *kp, *vp;
+  const bool* mp;
+  const int64_t* kr;
+  float* op;
+  Strides qs, ks, vs;
+  int64_t R, H, rows, d, L, G, Q, mask_rows, key_rows_stride;
+  float scale;
+};
+
+Call prepare(const RowAttentionArgs& a) {
+  const auto &q = a.q, &k = a.k, &v = a.v;
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
               "row_attention takes float32");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "the head dimension must be contiguous");
-  const int64_t R = q.size(0), H = q.size(1), rows = q.size(2), d = q.size(3), G = heads_per_kv_head;
-  const int64_t L = key_rows.has_value() ? key_rows->size(-1) : k.size(2);
-  TORCH_CHECK(G >= 1 && rows % G == 0, "rows (", rows, ") must be a multiple of heads_per_kv_head (", G, ")");
+  Call c;
+  c.R = q.size(0), c.H = q.size(1), c.rows = q.size(2), c.d = q.size(3), c.G = a.heads_per_kv_head;
+  c.L = a.key_rows.has_value() ? a.key_rows->size(-1) : k.size(2);
+  TORCH_CHECK(c.G >= 1 && c.rows % c.G == 0, "rows (", c.rows, ") must be a multiple of heads_per_kv_head (", c.G, ")");
   TORCH_CHECK(k.size(2) == v.size(2), "keys and values must have as many rows");
-  const int64_t Q = rows / G;
-  const auto allowed = mask.contiguous();
-  TORCH_CHECK(allowed.size(0) == R && allowed.size(2) >= Q && allowed.size(3) == L,
+  c.Q = c.rows / c.G;
+  c.allowed = a.mask.contiguous();
+  TORCH_CHECK(c.allowed.size(0) == c.R && c.allowed.size(2) >= c.Q && c.allowed.size(3) == c.L,
               "the mask must have a row per query and a column per key");
-  const auto key_index = key_rows.has_value() ? key_rows->to(torch::kInt64).contiguous().view({-1})
-                                              : torch::arange(L, torch::dtype(torch::kInt64));
-  const int64_t* kr = key_index.data_ptr<int64_t>();
-  if (key_rows.has_value()) {
-    TORCH_CHECK(key_index.numel() == R * L, "key_rows must be [R, L]");
-    for (int64_t j = 0; j < R * L; ++j) TORCH_CHECK(kr[j] >= 0 && kr[j] < k.size(2), "key_rows must index k's rows");
+  c.key_index = a.key_rows.has_value() ? a.key_rows->to(torch::kInt64).contiguous().view({-1})
+                                       : torch::arange(c.L, torch::dtype(torch::kInt64));
+  c.kr = c.key_index.data_ptr<int64_t>();
+  if (a.key_rows.has_value()) {
+    TORCH_CHECK(c.key_index.numel() == c.R * c.L, "key_rows must be [R, L]");
+    for (int64_t j = 0; j < c.R * c.L; ++j) {
+      TORCH_CHECK(c.kr[j] >= 0 && c.kr[j] < k.size(2), "key_rows must index k's rows");
+    }
   }
-  const int64_t key_rows_stride = key_rows.has_value() ? L : 0;
-  auto out = torch::empty({R, H, rows, d}, q.options());
-  const Strides qs = strides_of(q), ks = strides_of(k), vs = strides_of(v);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const bool* mp = allowed.data_ptr<bool>();
-  const int64_t mask_rows = allowed.size(2);
-  float* op = out.data_ptr<float>();
-  const float scale = static_cast<float>(scaling);
-  const int64_t padded = (L + LANES - 1) / LANES * LANES + LANES;
+  c.key_rows_stride = a.key_rows.has_value() ? c.L : 0;
+  c.out = torch::empty({c.R, c.H, c.rows, c.d}, q.options());
+  c.qs = strides_of(q), c.ks = strides_of(k), c.vs = strides_of(v);
+  c.qp = q.data_ptr<float>(), c.kp = k.data_ptr<float>(), c.vp = v.data_ptr<float>();
+  c.mp = c.allowed.data_ptr<bool>();
+  c.mask_rows = c.allowed.size(2);
+  c.op = c.out.data_ptr<float>();
+  c.scale = static_cast<float>(a.scaling);
+  return c;
+}
+
+}  // namespace
+
+// Each call: q [R, H, G * Q, d] (G query heads per KV head, head-major: row g * Q + i is head g at query i); k, v
+// [R, H, S, d] (last dimension contiguous, any other strides: views of the pool); mask [R, 1, G * Q or Q, L] bool,
+// True where query i may look (rows i < Q read: the G heads of a query share its mask; each query sees at least one
+// key); key_rows [R, L] int64, the index along S of each of the L keys (None: keys 0 .. L - 1, S = L): a sequence's
+// keys read where they lie in the pool -> [R, H, G * Q, d]. The G rows of a query are computed together, MAX_GROUP
+// at a time, each as if alone; only the keys up to a query's last allowed one are scored. The calls' queries share
+// one parallel loop.
+std::vector<torch::Tensor> row_attention_all(const std::vector<RowAttentionArgs>& args) {
   TORCH_CHECK(current_row_isa() != RowIsa::none, "row_attention needs AVX-512F or AVX2 with FMA");
   const AttendGroup attend_group =
       current_row_isa() == RowIsa::avx512 ? row_avx512::attend_group : row_avx2::attend_group;
+  std::vector<Call> calls;
+  int64_t queries = 0, padded = LANES;
+  for (const auto& a : args) {
+    calls.push_back(prepare(a));
+    queries += calls.back().R * calls.back().H * calls.back().Q;
+    padded = std::max(padded, (calls.back().L + LANES - 1) / LANES * LANES + LANES);
+  }
   // Fewer queries than threads (decoding with one KV head): a query's heads split into smaller groups, one per
   // thread. Each head's arithmetic is that of a row alone whatever its group, so the split changes no bits.
-  const int64_t queries = R * H * Q, threads = at::get_num_threads();
-  const int64_t per_group =
-      queries >= threads ? MAX_GROUP : std::clamp<int64_t>((G * queries + threads - 1) / threads, 1, MAX_GROUP);
-  const int64_t splits = (G + per_group - 1) / per_group;
-  at::parallel_for(0, queries * splits, 1, [&](int64_t begin, int64_t end) {
+  const int64_t threads = at::get_num_threads();
+  std::vector<int64_t> per_group, splits, first_item{0};
+  for (const auto& c : calls) {
+    per_group.push_back(queries >= threads ? MAX_GROUP
+                                           : std::clamp<int64_t>((c.G * queries + threads - 1) / threads, 1, MAX_GROUP));
+    splits.push_back((c.G + per_group.back() - 1) / per_group.back());
+    first_item.push_back(first_item.back() + c.R * c.H * c.Q * splits.back());
+  }
+  at::parallel_for(0, first_item.back(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffers(MAX_GROUP * padded);
     std::vector<int32_t> index(padded);
     float* scores[MAX_GROUP];
     for (int n = 0; n < MAX_GROUP; ++n) scores[n] = buffers.data() + n * padded;
+    size_t which = std::upper_bound(first_item.begin(), first_item.end(), begin) - first_item.begin() - 1;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t query = item / splits, r = query / (H * Q), h = query / Q % H, i = query % Q;
-      const KeyRows keys{kp + r * ks.request + h * ks.head, kr + r * key_rows_stride, ks.row};
-      const KeyRows values{vp + r * vs.request + h * vs.head, kr + r * key_rows_stride, vs.row};
-      const bool* row_mask = mp + (r * mask_rows + i) * L;
-      const int64_t num_keys = keys_needed(row_mask, L);
-      {
-        const int64_t g0 = item % splits * per_group;
-        const int group = static_cast<int>(std::min<int64_t>(per_group, G - g0));
-        const float* qrows[MAX_GROUP];
-        float* orows[MAX_GROUP];
-        for (int n = 0; n < group; ++n) {
-          const int64_t row = (g0 + n) * Q + i;
-          qrows[n] = qp + r * qs.request + h * qs.head + row * qs.row;
-          orows[n] = op + ((r * H + h) * rows + row) * d;
-        }
-        attend_group(group, qrows, keys, values, row_mask, num_keys, d, scale, scores, index, orows);
+      while (item >= first_item[which + 1]) ++which;
+      const Call& c = calls[which];
+      const int64_t local = item - first_item[which], s = splits[which];
+      const int64_t query = local / s, r = query / (c.H * c.Q), h = query / c.Q % c.H, i = query % c.Q;
+      const KeyRows keys{c.kp + r * c.ks.request + h * c.ks.head, c.kr + r * c.key_rows_stride, c.ks.row};
+      const KeyRows values{c.vp + r * c.vs.request + h * c.vs.head, c.kr + r * c.key_rows_stride, c.vs.row};
+      const bool* row_mask = c.mp + (r * c.mask_rows + i) * c.L;
+      const int64_t num_keys = keys_needed(row_mask, c.L);
+      const int64_t g0 = local % s * per_group[which];
+      const int group = static_cast<int>(std::min<int64_t>(per_group[which], c.G - g0));
+      const float* qrows[MAX_GROUP];
+      float* orows[MAX_GROUP];
+      for (int n = 0; n < group; ++n) {
+        const int64_t row = (g0 + n) * c.Q + i;
+        qrows[n] = c.qp + r * c.qs.request + h * c.qs.head + row * c.qs.row;
+        orows[n] = c.op + ((r * c.H + h) * c.rows + row) * c.d;
       }
+      attend_group(group, qrows, keys, values, row_mask, num_keys, c.d, c.scale, scores, index, orows);
     }
   });
-  return out;
+  std::vector<torch::Tensor> outs;
+  for (const auto& c : calls) outs.push_back(c.out);
+  return outs;
+}
+
+torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const torch::Tensor& mask, double scaling, int64_t heads_per_kv_head,
+                            const std::optional<torch::Tensor>& key_rows) {
+  return row_attention_all({RowAttentionArgs{q, k, v, mask, scaling, heads_per_kv_head, key_rows}})[0];
 }
 
 // Which variant of row_attention runs: "avx512", "avx2" or "none" (tests run each).
