@@ -10,6 +10,8 @@
 #include <optional>
 #include <vector>
 
+#include "decoder_layer.h"
+
 torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                            const std::optional<torch::Tensor>& mins, int64_t bits, int64_t sub, c10::string_view isa);
 torch::Tensor fused_add_rms_norm(torch::Tensor& hidden, const torch::Tensor& delta, const torch::Tensor& weight,
@@ -66,10 +68,6 @@ struct Linears {
 
 }  // namespace
 
-// hidden [T, n] contiguous float32, updated in place to the layer's output; normed [T, n] its input norm of hidden;
-// cos, sin [T, d]; slots [T] the tokens' pool slots; the spans (query_starts .. masks) cover hidden's rows, each a
-// sequence whose keys lie at its KEY_SLOTS in the pool (masks for this layer's window);
-// keys, values the layer's pool; weights, forms, parts the four Linears' parts -> the output normed by next_norm.
 torch::Tensor decoder_layer(
     torch::Tensor& hidden, const torch::Tensor& normed, const torch::Tensor& cos, const torch::Tensor& sin,
     const torch::Tensor& slots, at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::TensorList key_slots,

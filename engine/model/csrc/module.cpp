@@ -3,6 +3,8 @@
 // loads on any x86-64 CPU; engine/model/cpu_kernels.py asks before it uses one.
 #include <torch/extension.h>
 
+#include "decoder_layer.h"
+
 torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                            const std::optional<torch::Tensor>& mins, int64_t bits, int64_t sub, c10::string_view isa);
 torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -21,16 +23,6 @@ torch::Tensor span_attention(const torch::Tensor& query, const torch::Tensor& ke
 void spans_attention(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
                      at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::TensorList key_slots,
                      at::TensorList masks, double scaling, torch::Tensor& out);
-torch::Tensor decoder_layer(
-    torch::Tensor& hidden, const torch::Tensor& normed, const torch::Tensor& cos, const torch::Tensor& sin,
-    const torch::Tensor& slots, at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::TensorList key_slots,
-    at::TensorList masks, torch::Tensor& keys, torch::Tensor& values,
-    at::TensorList weights, at::IntArrayRef forms, at::IntArrayRef parts, c10::string_view isa, int64_t heads,
-    int64_t kv_heads, double scaling, const std::optional<torch::Tensor>& q_weight,
-    const std::optional<torch::Tensor>& k_weight, double qk_eps, const torch::Tensor& mlp_norm, double mlp_eps,
-    const std::optional<torch::Tensor>& attention_out_norm, double attention_out_eps,
-    const std::optional<torch::Tensor>& mlp_out_norm, double mlp_out_eps, const torch::Tensor& next_norm,
-    double next_eps, c10::string_view activation);
 std::string row_attention_isa();
 void set_row_attention_isa(const std::string& isa);
 std::string fused_ops_isa();
