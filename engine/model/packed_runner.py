@@ -100,10 +100,10 @@ class PackedModelRunner:
         with_positions = needs_positions(members, self.narrowest_window)
         short = [m for m in sequences if m.query_len <= MAX_GROUPED_QUERY_LEN]
         long = [m for m in sequences if m.query_len > MAX_GROUPED_QUERY_LEN]
-        if (len(short) == 1 and not gathered) or skips_masked_keys(self.device):
+        row_kernel = skips_masked_keys(self.device)  # it reads a sequence's keys wherever its blocks lie
+        if (len(short) == 1 and not gathered) or row_kernel:
             long, short = long + short, []  # read in place where their slots allow: see IN_PLACE_MIN_CONTEXT
         gathered += short
-        row_kernel = skips_masked_keys(self.device)  # it reads a sequence's keys wherever its blocks lie
         for member in long:
             first_slot = None if row_kernel else self._in_place_first_slot(member)
             if member.context_len < self.in_place_min_context or (first_slot is None and not row_kernel):

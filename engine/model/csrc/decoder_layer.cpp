@@ -10,20 +10,7 @@
 #include <optional>
 #include <vector>
 
-#include "decoder_layer.h"
-
-torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                           const std::optional<torch::Tensor>& mins, int64_t bits, int64_t sub, c10::string_view isa);
-torch::Tensor fused_add_rms_norm(torch::Tensor& hidden, const torch::Tensor& delta, const torch::Tensor& weight,
-                                 double eps, const std::optional<torch::Tensor>& delta_weight, double delta_eps);
-torch::Tensor gated_activation(const torch::Tensor& gate_up, c10::string_view activation);
-torch::Tensor rope_write(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
-                         int64_t kv_heads, const std::optional<torch::Tensor>& q_weight,
-                         const std::optional<torch::Tensor>& k_weight, double eps, torch::Tensor& keys,
-                         torch::Tensor& values, const torch::Tensor& slots);
-void spans_attention(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
-                     at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::TensorList key_slots,
-                     at::TensorList masks, double scaling, torch::Tensor& out);
+#include "ops.h"
 
 namespace {
 

@@ -3,30 +3,7 @@
 // loads on any x86-64 CPU; engine/model/cpu_kernels.py asks before it uses one.
 #include <torch/extension.h>
 
-#include "decoder_layer.h"
-
-torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                           const std::optional<torch::Tensor>& mins, int64_t bits, int64_t sub, c10::string_view isa);
-torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const torch::Tensor& mask, double scaling, int64_t heads_per_kv_head,
-                            const std::optional<torch::Tensor>& key_rows);
-torch::Tensor fused_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-torch::Tensor fused_add_rms_norm(torch::Tensor& hidden, const torch::Tensor& delta, const torch::Tensor& weight,
-                                 double eps, const std::optional<torch::Tensor>& delta_weight, double delta_eps);
-torch::Tensor gated_activation(const torch::Tensor& gate_up, c10::string_view activation);
-torch::Tensor rope_write(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
-                         int64_t kv_heads, const std::optional<torch::Tensor>& q_weight,
-                         const std::optional<torch::Tensor>& k_weight, double eps, torch::Tensor& keys,
-                         torch::Tensor& values, const torch::Tensor& slots);
-torch::Tensor span_attention(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
-                             const torch::Tensor& key_slots, const torch::Tensor& mask, double scaling);
-void spans_attention(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
-                     at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::TensorList key_slots,
-                     at::TensorList masks, double scaling, torch::Tensor& out);
-std::string row_attention_isa();
-void set_row_attention_isa(const std::string& isa);
-std::string fused_ops_isa();
-void set_fused_ops_isa(const std::string& isa);
+#include "ops.h"
 
 bool has_avx512() { return __builtin_cpu_supports("avx512f"); }
 
