@@ -46,6 +46,7 @@ def serve_until_stopped(args: argparse.Namespace) -> None:
     config = serve_config(args)
     model_name = config.server.served_model_name or resolve_model_source(config.engine.model.model).name
     engine = EngineClient(config.engine, config.server, ServerMetrics(model_name))
+    engine.spawn_first_engine()  # it loads its model while this process loads the tokenizer
     app = build_app(config, engine, load_tokenizer(config.engine.model))
     server = draining_server(app, app.state.serving, config.server.host, config.server.port)
     engine.on_give_up = lambda: setattr(server, "should_exit", True)

@@ -140,8 +140,15 @@ class EngineClient:
         return len(self._queues)
 
     # --- life cycle -----------------------------------------------------------------------
+    def spawn_first_engine(self) -> None:
+        """Start the first engine's process now, before the server's own start-up (its tokenizer, its app), so that
+        the two load side by side; `start` then waits for it."""
+        self._engine = EngineProcess(self.config)
+        self._engine.process.start()
+
     async def start(self) -> None:
-        """Start the first engine. One that never becomes ready is not started again (see supervision.py)."""
+        """Start the first engine (or wait for the one spawn_first_engine started). One that never becomes ready is
+        not started again (see supervision.py)."""
         await self._launch()
         if not self.healthy:
             self._give_up(f"the engine failed to start: {self.dead_reason}")
@@ -161,10 +168,13 @@ class EngineClient:
         await engine.reap(grace_s=10)
 
     async def _launch(self) -> None:
-        engine = self._engine = EngineProcess(self.config)
+        if self._engine is None or self._engine.dead:
+            self._engine = EngineProcess(self.config)
+        engine = self._engine
         self.ready, self.dead_reason = None, None
         self._ready_or_dead = asyncio.Event()
-        engine.process.start()
+        if engine.process.pid is None:
+            engine.process.start()
         asyncio.get_running_loop().add_reader(engine.process.sentinel, self._on_process_exit, engine)
         engine.reader = self._spawn(self._read_outputs(engine))
         try:

@@ -9,7 +9,8 @@
   torch takes several (AVX-512F, AVX2 or baseline x86-64, the same bits on each; span_attention calls row_attention).
 
 Compiled on first use with a C++ compiler and ninja (~1 min; `make setup` does it, the CPU image at build time)
-into the user cache, keyed by the sources, the flags and torch's version. Each kernel is compiled for its
+into the user cache, keyed by the sources, their folder, the flags and torch's version (two checkouts each keep
+their own build: ninja rebuilds a shared one whenever the sources' paths change). Each kernel is compiled for its
 instruction set with target attributes, so the module loads on any x86-64 CPU; `cpu_isa`/`row_attention_available`
 say what runs here. SPECSERVE_CPU_ISA caps them: `avx2` leaves only the AVX2 variants (to run them on an AVX-512
 machine), `none` none of the kernels. Where the build fails (no compiler) the engine runs torch's own kernels and
@@ -46,7 +47,7 @@ def kernels():
     from torch.utils.cpp_extension import load
 
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # the venv's ninja
-    digest = hashlib.sha256(torch.__version__.encode() + repr(CFLAGS).encode())
+    digest = hashlib.sha256(torch.__version__.encode() + repr(CFLAGS).encode() + str(SOURCES[0].parent).encode())
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     cache_root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")

@@ -12,7 +12,9 @@ from scheduler.kv_blocks import KVBlockManager
 
 PROFILE_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the latency model extrapolates linearly beyond
 PROFILE_CONTEXT_LEN = 512
-PROFILE_ROUNDS = 5  # passes over every token count; each count keeps its fastest
+PROFILE_ROUNDS = 5  # passes over the token counts at most; each count keeps its fastest
+PROFILE_MIN_ROUNDS = 2  # every count is measured at least this often...
+PROFILE_SECONDS_PER_COUNT = 0.25  # ...and again while its measurements add up to less than this
 PROFILE_REQUEST_ID = "__latency_profile__"
 PROFILE_TREE_PATHS, PROFILE_PATH_LEN = 8, 4  # the profiled tree: 8 branches of 4 tokens off the context
 
@@ -24,7 +26,9 @@ def profile_forward_latency(
     """Seconds of a forward over n new tokens after a fixed context, for each profiled n: the fastest of a few
     rounds, since interference only ever adds time. Each round measures every count, so a burst of interference
     (the server process starting beside the engine, say) slows one round rather than every repeat of one count,
-    which would skew the ratios the planner weighs drafts by."""
+    which would skew the ratios the planner weighs drafts by. A count's later rounds are skipped once it has been
+    measured for PROFILE_SECONDS_PER_COUNT in all: a forward of hundreds of tokens varies by a few per cent between
+    rounds, a forward of one token by far more, and the large ones are most of the start-up's time."""
     counts = [n for n in PROFILE_TOKEN_COUNTS if n < max_model_len // 2]
     context_len = min(PROFILE_CONTEXT_LEN, max_model_len - max(counts))
     generator = torch.Generator().manual_seed(0)
@@ -33,9 +37,13 @@ def profile_forward_latency(
     try:
         runner.execute(ForwardBatch([chain_item(context[:context_len], 0, table, blocks.block_size)]))
         fastest = {n: float("inf") for n in counts}
-        for _ in range(PROFILE_ROUNDS):
+        spent = {n: 0.0 for n in counts}
+        for round_index in range(PROFILE_ROUNDS):
             for n in counts:
-                fastest[n] = min(fastest[n], _forward_seconds(runner, table, context, context_len, n))
+                if round_index >= PROFILE_MIN_ROUNDS and spent[n] >= PROFILE_SECONDS_PER_COUNT:
+                    continue
+                seconds = _forward_seconds(runner, table, context, context_len, n)
+                fastest[n], spent[n] = min(fastest[n], seconds), spent[n] + seconds
         return fastest
     finally:
         blocks.free(PROFILE_REQUEST_ID)

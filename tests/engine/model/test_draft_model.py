@@ -53,7 +53,9 @@ def test_greedy_output_with_a_draft_model_equals_plain_decoding(
 
 
 def test_copy_first_asks_the_scheduler_for_model_drafts_only_for_requests_copyspec_left_without_a_draft(tiny_model_dir):
-    engine = draft_engine(tiny_model_dir, "early-exit:1", "copyspec+draft", planner=True)
+    # without the planner every request copyspec leaves without a draft drafts with the model: with it, whether the
+    # model drafts at all depends on the latency profiled at start-up, which a busy host skews
+    engine = draft_engine(tiny_model_dir, "early-exit:1", "copyspec+draft", planner=False)
     asked, steps = [], []
     reserve, set_drafts = engine.scheduler.reserve_model_drafts, engine.scheduler.set_drafts
 
