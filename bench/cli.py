@@ -27,6 +27,7 @@ from bench.pld_plus import run_pld_plus_benchmark
 from bench.runners import EngineRunner, HFRunner
 from bench.sessions import run_sessions_benchmark
 from bench.soak import run_soak
+from bench.spectra import run_spectra_benchmark
 from bench.step_profile import run_step_profile
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -248,6 +249,12 @@ def add_ngram_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grid-max-new-tokens", type=int, default=96, help="new tokens per grid generation")
 
 
+def add_spectra_flags(parser: argparse.ArgumentParser) -> None:
+    add_limit_flag(parser, "10")
+    parser.add_argument("--grid-limit", type=int, default=3,
+                        help="questions per set of the pool-size and tau ablation (0: none)")
+
+
 def add_models_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=parse_ints, default=(1, 4, 16, 32, 64), help="batch sizes B")
     parser.add_argument("--modes", type=comma_list(tuple(MODES), "none", "modes"), default=tuple(MODES),
@@ -273,6 +280,8 @@ BENCHMARKS: dict[str, Benchmark] = {
     ),
     "ngram": Benchmark("learning-free n-grams: the headline runs and the k x w grid", run_ngram_benchmark,
                        lambda args: list(NGRAM_DATASETS), add_ngram_flags),
+    "spectra": Benchmark("SPECTRA: the headline runs and its pool-size and tau ablation", run_spectra_benchmark,
+                         lambda args: list(NGRAM_DATASETS), add_spectra_flags),
     "concurrency": Benchmark("HTTP servers under C concurrent clients, specserve and peers", run_concurrency,
                              lambda args: ["humaneval" if args.completions else "mt-redundant"],
                              add_concurrency_flags),

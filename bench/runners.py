@@ -21,6 +21,7 @@ class Generation:
     num_drafts: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    lookahead_rows: int = 0  # look-ahead rows its forwards carried (drafters/spectra.py's candidate pool)
     text: str | None = None  # the server's own text, for peers compared by text (bench/llama_server.py)
 
 
@@ -36,15 +37,17 @@ class EngineRunner:
         params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
         start = time.perf_counter()
         self.engine.add_request(EngineRequest(f"bench-{self._count}", prompt_ids, params))
-        token_ids, spec, num_forwards = [], None, 0
+        token_ids, spec, num_forwards, lookahead_rows = [], None, 0, 0
         while self.engine.has_work:
             num_forwards += 1
-            for output in self.engine.step().outputs:
+            step = self.engine.step()
+            lookahead_rows += step.stats.num_lookahead_rows
+            for output in step.outputs:
                 token_ids += output.new_token_ids
                 spec = output.spec or spec
         seconds = time.perf_counter() - start
         return Generation(token_ids, seconds, num_forwards, spec.num_drafts, spec.num_draft_tokens,
-                          spec.num_accepted_tokens)
+                          spec.num_accepted_tokens, lookahead_rows)
 
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy answers to all prompts, served together by the continuous-batching engine (untimed)."""

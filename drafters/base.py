@@ -33,6 +33,10 @@ class Draft:
     parents: list[int] = None  # [n] each token's parent index, -1 = the request's last token; None given = a chain
     # [n] the drafter's own estimate of each token's acceptance given its parent's
     acceptance: list[float] | None = None
+    # look-ahead chains the drafter asks the target to extend beside the draft (SPECTRA's candidate pool): each hangs
+    # off the request's last token, is not verified, and its last row's logits come back in Computed.lookahead_logits
+    lookahead: tuple[tuple[int, ...], ...] = ()
+    lookahead_yield: float = 0.0  # the drafter's measure of the tokens a look-ahead row earns later, per row
 
     def __post_init__(self) -> None:
         if self.parents is None:
@@ -66,6 +70,9 @@ class Computed:
     hidden_states: torch.Tensor | None = None  # [n, hidden_size] at CaptureSpec.hidden_layer
     # [num capture heads, start + n] the last token's attention over every position
     attention: torch.Tensor | None = None
+    # [chains, vocab] the logits after the last row of each look-ahead chain the step carried: the first chains of
+    # the request's draft's `lookahead`, as many as the scheduler kept; None when it kept none
+    lookahead_logits: torch.Tensor | None = None
 
 
 class PldPlusCalibrationLike(Protocol):

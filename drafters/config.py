@@ -25,14 +25,25 @@ class SpecConfig:
         "help": "PLD+(h): hidden-state layer (default: calibrated, else 9/32 of the depth)"})
     pld_plus_num_heads: int | None = field(default=None, metadata={
         "help": "PLD+(a): how many calibrated heads (default: as many as the calibration chose)"})
+    spectra_n: int = field(default=5, metadata={  # Appendix B: 5-grams
+        "help": "SPECTRA: the longest n-gram its dictionaries hold (N)"})
+    spectra_guesses: int = field(default=15, metadata={"help": "SPECTRA: guesses per draft, merged into one tree (G)"})
+    spectra_pool: int = field(default=15, metadata={"help": (
+        "SPECTRA: chains in its candidate pool (W), advanced through look-ahead rows as the planner allows; 0: none")})
+    spectra_tau: float = field(default=0.1, metadata={"help": (
+        "SPECTRA: a pool chain takes the most probable token its forward dictionary lacks when r > tau, r ~ U(0, 1)")})
     num_draft_tokens: int = field(default=5, metadata={  # k, SV's setting
         "help": "draft model: tokens drafted per step at most (the goodput planner may draft fewer)"})
 
     def __post_init__(self) -> None:
         for name in ("copy_gamma", "copy_max_tokens", "ngram_k", "ngram_w", "pld_num_tokens", "pld_plus_max_tokens",
-                     "num_draft_tokens"):
+                     "spectra_guesses", "num_draft_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.spectra_n < 2:
+            raise ValueError("spectra_n must be at least 2")
+        if self.spectra_pool < 0 or not 0.0 <= self.spectra_tau <= 1.0:
+            raise ValueError("spectra_pool must be at least 0 and spectra_tau within [0, 1]")
         if self.pld_plus_layer is not None and self.pld_plus_layer < 1:
             raise ValueError("pld_plus_layer must be at least 1")
         if self.pld_plus_num_heads is not None and self.pld_plus_num_heads < 1:

@@ -13,6 +13,7 @@ from drafters.ngram import NgramDrafter
 from drafters.none import NoDrafter
 from drafters.pld import PromptLookupDrafter
 from drafters.pld_plus import PldPlusDrafter
+from drafters.spectra import SpectraDrafter
 
 
 def _copyspec(config: SpecConfig, context: DrafterContext) -> Drafter:
@@ -77,6 +78,10 @@ def model_bigram(context: DrafterContext) -> BackgroundTable:
     )
 
 
+def _spectra(config: SpecConfig, context: DrafterContext) -> Drafter:
+    return SpectraDrafter(config.spectra_n, config.spectra_guesses, config.spectra_pool, config.spectra_tau)
+
+
 logger = logging.getLogger("specserve.drafters")
 
 _BUILDERS: dict[str, Callable[[SpecConfig, DrafterContext], Drafter]] = {
@@ -87,6 +92,7 @@ _BUILDERS: dict[str, Callable[[SpecConfig, DrafterContext], Drafter]] = {
     "ngram": _ngram,
     "pld": _pld,
     "pld-plus": _pld_plus,
+    "spectra": _spectra,
 }
 
 DRAFTER_NAMES = tuple(_BUILDERS)

@@ -1,7 +1,8 @@
 """The scheduler's decisions as forward items, and what of a forward a drafter is shown afterwards.
 
 A scheduled request becomes one item: its uncomputed tokens as a chain, then the
-selected draft nodes as a tree hanging off its last real token (row num_real - 1).
+selected draft nodes as a tree hanging off its last real token (row num_real - 1),
+then its look-ahead chains (scheduler/lookahead.py), each a branch off that token too.
 """
 from __future__ import annotations
 
@@ -22,9 +23,15 @@ def forward_item(item: ScheduledRequest, block_size: int, capture: CaptureSpec) 
     last_real = num_real - 1
     parents = list(range(-1, last_real)) + [last_real if p == ROOT else num_real + p for p in item.draft_parents]
     logit_rows = list(range(last_real, n)) if item.reaches_end else []
-    forward = tree_item(item.token_ids, parents, item.num_computed, item.block_table, block_size, logit_rows)
+    token_ids, drafter_rows = list(item.token_ids), []
+    for chain in item.lookahead:  # each hangs off the last real token; its last row's logits go to the drafter
+        parents += [last_real] + list(range(len(token_ids), len(token_ids) + len(chain) - 1))
+        token_ids += chain
+        drafter_rows.append(len(token_ids) - 1)
+    forward = tree_item(token_ids, parents, item.num_computed, item.block_table, block_size, logit_rows)
+    forward.drafter_rows = drafter_rows
     if capture.hidden_layer is not None:
-        forward.hidden_rows = list(range(n))
+        forward.hidden_rows = list(range(n))  # the look-ahead rows' are nobody's
     if capture.attention_heads:
         forward.attention_rows = logit_rows or [n - 1]  # the last committed token is one of these
     return forward
@@ -41,6 +48,7 @@ def computed_for_drafter(
     """The tokens the step committed for one request, with the captures at those rows in position order."""
     rows = committed_rows(item, result)
     computed = Computed(item.num_computed, [item.token_ids[row] for row in rows])
+    computed.lookahead_logits = output.drafter_logits[index]
     hidden = output.hidden[index]
     if hidden is not None:
         computed.hidden_states = hidden[rows]  # hidden_rows are every row, in order

@@ -24,6 +24,12 @@ class ScheduledRequest:
     draft_nodes: list[int] = field(default_factory=list)  # [num_draft] indices into req.draft of the verified nodes
     # [num_draft] parent of each within the selection, -1 = last token
     draft_parents: list[int] = field(default_factory=list)
+    # the first chains of req.draft.lookahead the forward carries after the draft nodes (not in token_ids)
+    lookahead: list[tuple[int, ...]] = field(default_factory=list)
+
+    @property
+    def num_lookahead_rows(self) -> int:
+        return sum(len(chain) for chain in self.lookahead)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -58,7 +64,11 @@ class SchedulerOutput:
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(len(item.token_ids) for item in self.scheduled)
+        return sum(len(item.token_ids) + item.num_lookahead_rows for item in self.scheduled)
+
+    @property
+    def num_lookahead_rows(self) -> int:
+        return sum(item.num_lookahead_rows for item in self.scheduled)
 
     @property
     def has_prefill(self) -> bool:
@@ -125,6 +135,7 @@ class StepStats:
     num_generated_tokens: int = 0  # tokens this step appended to its requests
     kv_cache_usage: float = 0.0  # fraction of the paged KV pool's blocks in use after the step
     num_scheduled_tokens: int = 0  # tokens in the step's packed forward: prefill chunks, last tokens, drafts
+    num_lookahead_rows: int = 0  # of those, look-ahead rows (drafters/spectra.py's candidate pool)
     num_preemptions: int = 0  # requests sent back to the waiting queue this step (recomputed later)
     session_hits: int = 0  # requests since the last step that found a cached session
     session_misses: int = 0  # requests since the last step that looked for a session and found none

@@ -17,6 +17,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.draft_selection import DraftSelector, attach_draft
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.latency import LatencyModel, StepOverhead
+from scheduler.lookahead import LookaheadPlan
 from scheduler.model_drafts import ModelDraftBudget
 from scheduler.planner import num_extra_paths
 from scheduler.records import ScheduledRequest, SchedulerOutput, StepStats, StepUpdate, Verification
@@ -40,6 +41,7 @@ class Scheduler:
         companion_latency: LatencyModel | None = None,
     ) -> None:
         self.config = config
+        self.max_model_len = max_model_len
         self.blocks = blocks
         self.latency = latency
         self.sessions = sessions
@@ -109,7 +111,7 @@ class Scheduler:
 
     def set_drafts(self, reqs: list[Request], drafts: list[Draft]) -> None:
         for req, draft in zip(reqs, drafts):
-            req.draft = draft if len(draft) else None
+            req.draft = draft if len(draft) or draft.lookahead else None
 
     # --- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -136,6 +138,19 @@ class Scheduler:
             out.num_offered_draft_tokens += len(req.draft) if req.draft else 0
             out.num_verified_draft_tokens += len(nodes)
             out.expected_tokens += self.selector.expected_tokens(req, nodes)
+        plan = LookaheadPlan(out, self.config.max_num_batched_tokens - out.num_scheduled_tokens,
+                             step_seconds if self.config.use_goodput_planner else None)
+        for item in decoding:
+            plan.choose(item, self._lookahead_room(item))
+            if item.lookahead:  # scratch slots after the item's tokens: the update gives them back
+                self.blocks.grow(item.req.request_id,
+                                 item.req.num_computed_tokens + len(item.token_ids) + item.num_lookahead_rows)
+
+    def _lookahead_room(self, item: ScheduledRequest) -> int:
+        """Look-ahead rows the item may add: KV slots after its tokens, positions below the model's length."""
+        req = item.req
+        kv_room = self.admission.positions_available(req) - req.num_computed_tokens - len(item.token_ids)
+        return min(kv_room, self.max_model_len - len(req.all_token_ids))
 
     def _extra_path_seconds(self, out: SchedulerOutput) -> float:
         """What the step's draft trees cost beyond their token count: their paths beyond the first."""
@@ -190,6 +205,7 @@ class Scheduler:
             num_generated_tokens=sum(len(u.new_token_ids) for u in step.updates),
             kv_cache_usage=self.blocks.usage,
             num_scheduled_tokens=out.num_scheduled_tokens,
+            num_lookahead_rows=out.num_lookahead_rows,
             num_preemptions=len(out.preempted),
         )
         return step

@@ -72,6 +72,9 @@ class ServerMetrics:
         self.verified = self._counter(
             "spec_decode_num_verified_tokens_total", "Drafted tokens the planner sent to verification"
         )
+        self.lookahead_rows = self._counter(
+            "spec_decode_num_lookahead_rows_total", "Look-ahead rows the planner let drafters add (SPECTRA's pool)"
+        )
         self.planned_tokens = self._counter(
             "planner_expected_tokens_total", "Tokens the goodput planner expected its steps to yield"
         )
@@ -105,7 +108,8 @@ class ServerMetrics:
             self.num_requests_running, self.num_requests_waiting, self.engine_healthy, self.engine_restarts,
             self.kv_cache_usage, self.preemptions, self.ttft, self.itl, self.e2e, self.step_seconds,
             self.prompt_tokens, self.generation_tokens,
-            self.offered, self.verified, self.planned_tokens, self.planned_seconds, self.step_tokens,
+            self.offered, self.verified, self.lookahead_rows, self.planned_tokens, self.planned_seconds,
+            self.step_tokens,
             self.session_hits, self.session_misses, self.session_reused_tokens, self.session_evictions,
             self.num_sessions, self.drafter_state_bytes, self.session_host_bytes,
         ):
@@ -120,6 +124,7 @@ class ServerMetrics:
             self.step_seconds.labels(m).observe(stats.step_seconds)
         self.offered.labels(m).inc(stats.num_offered_draft_tokens)
         self.verified.labels(m).inc(stats.num_verified_draft_tokens)
+        self.lookahead_rows.labels(m).inc(stats.num_lookahead_rows)
         self.planned_tokens.labels(m).inc(stats.planned_tokens)
         self.planned_seconds.labels(m).inc(stats.planned_seconds)
         self.step_tokens.labels(m).inc(stats.num_generated_tokens)

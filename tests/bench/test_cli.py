@@ -6,7 +6,8 @@ from specserve import build_parser, main
 
 OWN_FLAGS = {  # a flag each benchmark has that the others need not
     "mt-redundant": "--peer-turns", "mt-bench": "--per-category", "humaneval": "--max-turns", "gsm8k": "--resume",
-    "spec-bench": "--limit", "ngram": "--grid-limit", "concurrency": "--warm-prompts", "sessions": "--session-modes",
+    "spec-bench": "--limit", "ngram": "--grid-limit", "spectra": "--grid-limit", "concurrency": "--warm-prompts",
+    "sessions": "--session-modes",
     "step-profile": "--data-dir", "soak": "--soak-clients", "api": "--variants", "models": "--min-requests",
     "long-context": "--definition-tokens",
 }

@@ -33,6 +33,8 @@ def engines(tiny_model_dir, tmp_path_factory):
         "copyspec-planned": make_engine(tiny_model_dir, "copyspec"),
         "ngram": make_engine(tiny_model_dir, "ngram", planner=False, cache_dir=cache_dir),  # every tree node verified
         "ngram-planned": make_engine(tiny_model_dir, "ngram", cache_dir=cache_dir),
+        "spectra": make_engine(tiny_model_dir, "spectra", planner=False),
+        "spectra-planned": make_engine(tiny_model_dir, "spectra"),
     }
     for name in ("ngram", "ngram-planned"):  # the tiny vocabulary's bigram table takes a moment to build
         assert engines[name].speculation.drafter.bigram.wait(60) is not None
@@ -49,15 +51,17 @@ def test_greedy_speculation_equals_plain_decoding(engines):
     params = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)] * len(batch)
     reference = run_to_completion(engines["none"], batch, params)
     model = engines["none"].runner.model
-    for name in ("copyspec", "copyspec-planned", "ngram", "ngram-planned"):
+    for name in ("copyspec", "copyspec-planned", "ngram", "ngram-planned", "spectra", "spectra-planned"):
         outputs = run_to_completion(engines[name], batch, params)
         for i, prompt in enumerate(batch):
             ref, out = reference[f"req-{i}"].new_token_ids, outputs[f"req-{i}"].new_token_ids
             assert divergence_verdict(model, prompt, ref, out) != "mismatch", (name, i)
         assert sum(o.spec.num_accepted_tokens for o in outputs.values()) > 0, f"{name} must exercise speculation"
+    # without the planner every chain of spectra's candidate pool rode in the forwards as look-ahead rows
+    assert engines["spectra"].speculation.drafter.lookahead_yield.rows > 0
 
 
-@pytest.mark.parametrize("drafter", ["copyspec", "ngram"])
+@pytest.mark.parametrize("drafter", ["copyspec", "ngram", "spectra"])
 def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(engines, drafter):
     batch = prompts(4, seed=3)
     params = [

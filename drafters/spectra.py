@@ -1,0 +1,287 @@
+"""SPECTRA-core (Le et al. 2025, "SPECTRA: Faster LLM Inference with Optimized Internal and External
+Speculation", Algorithm 1): guesses from two n-gram dictionaries of the conversation, searched both ways.
+
+- The forward dictionary maps a token to its recent continuations of up to N - 1 tokens: a list per token, capped
+  at PER_KEY_CAP and least recently written dropped first (the paper's "W = 15 maintained per key", read as a cap
+  per key, and the 15 pool chains as W). A continuation that extends one already listed replaces it, and one that is
+  a prefix of a listed one refreshes it, so a list holds distinct continuations, not the prefixes of one.
+- The backward dictionary maps a context of 1 .. N - 1 tokens to the token that followed it, the latest write
+  winning.
+
+Both are fed with every token the target computes (each window of N tokens of the conversation, as the paper feeds
+them with the candidate pool's chains, Algorithm 1 lines 35-41) and with every chain of N tokens `add_chain` is
+given (the candidate pool's, advanced through look-ahead rows).
+
+Guesses (lines 7-17): the backward guess first, the forward dictionary's continuations of the last token after it,
+most recent first, at most G in all (the notes: Algorithm 1 appends the backward guess last and then truncates to
+G, which loses it whenever the forward list is full). The backward guess is built a token at a time, each from the
+longest context of the conversation and the guess so far that the backward dictionary knows, up to N tokens. The
+guesses are merged into one tree (drafters/tree.py), a token shared by several carrying the best of their running
+acceptance estimates by kind and depth (drafters/ngram.py's RowRates) for the goodput planner. Sessions carry the
+dictionaries from one turn of a conversation to the next (drafters/corpus.py).
+
+Defaults are the paper's Appendix B: N = 5 (5-grams), G = 15 guesses, 15 continuations per key.
+"""
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from drafters.base import TOKEN_BYTES, Computed, Draft, DraftableRequest, common_prefix_len
+from drafters.corpus import CorpusDrafter, SessionCorpus
+from drafters.ngram import RowRates
+from drafters.tree import merge_rows
+
+if TYPE_CHECKING:
+    import torch
+
+NGRAM = 5  # N: the longest n-gram the dictionaries hold
+MAX_GUESSES = 15  # G
+PER_KEY_CAP = 15  # continuations the forward dictionary keeps per token
+POOL_SIZE = 15  # W: chains in the candidate pool
+TAU = 0.1  # the pool's refine threshold: a chain takes a token the forward dictionary lacks when r > tau, r ~ U(0, 1)
+
+
+class NgramDictionaries:
+    """SPECTRA's forward and backward dictionaries over a growing token list (and any chains added to them)."""
+
+    # host memory per entry (a backward context or a forward continuation): tracemalloc, CPython 3.11, 4000 uniform
+    # random tokens, N = 5 (text repeats itself more, and its entries cost less: 66 bytes for Pareto-random tokens)
+    BYTES_PER_ENTRY = 170
+
+    def __init__(self, n: int = NGRAM, per_key_cap: int = PER_KEY_CAP) -> None:
+        self.n = n
+        self.per_key_cap = per_key_cap
+        self.forward: dict[int, OrderedDict[tuple[int, ...], None]] = {}  # token -> continuations, oldest first
+        self.backward: dict[tuple[int, ...], int] = {}  # context -> the token that followed it last
+        self.num_indexed = 0  # tokens of the list already covered
+        self.num_continuations = 0  # in all the forward lists
+        # entries the candidate pool wrote and the token list has not (yet): what look-ahead rows earned
+        self.pool_forward: set[tuple[int, tuple[int, ...]]] = set()
+        self.pool_backward: set[tuple[int, ...]] = set()
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Add every window of N tokens that the tokens appended since the last call complete (shorter ones at the
+        start of the list)."""
+        for end in range(self.num_indexed + 1, len(token_ids) + 1):
+            self.add_chain(token_ids[max(end - self.n, 0):end], last_only=True)
+        self.num_indexed = len(token_ids)
+
+    def add_chain(self, chain: Sequence[int], last_only: bool = False, from_pool: bool = False) -> None:
+        """Algorithm 1's update with one chain c: forward[c_j] gets c_{j+1:}, backward[c_{0:j+1}] gets c_{j+1}.
+
+        LAST_ONLY: the chain is a window of a token list whose shorter windows were added already, so only what
+        ends at its last token is new: every forward continuation still grows by it, and the backward contexts are
+        those of the last token, each suffix of the tokens before it. FROM_POOL: the candidate pool's chain."""
+        chain = tuple(chain)
+        for j in range(len(chain) - 1):
+            self._add_continuation(chain[j], chain[j + 1:], from_pool)
+            if not last_only:
+                self._add_following(chain[:j + 1], chain[j + 1], from_pool)
+        if last_only:
+            for k in range(1, len(chain)):
+                self._add_following(chain[len(chain) - 1 - k:-1], chain[-1], from_pool)
+
+    def _add_following(self, context: tuple[int, ...], token: int, from_pool: bool) -> None:
+        self.backward[context] = token
+        if from_pool:
+            self.pool_backward.add(context)
+        else:
+            self.pool_backward.discard(context)
+
+    def _add_continuation(self, token: int, continuation: tuple[int, ...], from_pool: bool) -> None:
+        listed = self.forward.setdefault(token, OrderedDict())
+        for old in listed:
+            if old[:len(continuation)] == continuation:  # already listed, perhaps longer: refresh it
+                listed.move_to_end(old)
+                if not from_pool and old == continuation:
+                    self.pool_forward.discard((token, old))
+                return
+            if continuation[:len(old)] == old:  # the new one extends it
+                del listed[old]
+                self.pool_forward.discard((token, old))
+                self.num_continuations -= 1
+                break
+        listed[continuation] = None
+        self.num_continuations += 1
+        if from_pool:
+            self.pool_forward.add((token, continuation))
+        if len(listed) > self.per_key_cap:
+            self.pool_forward.discard((token, listed.popitem(last=False)[0]))
+            self.num_continuations -= 1
+
+    @property
+    def num_bytes(self) -> int:
+        return self.BYTES_PER_ENTRY * (len(self.backward) + self.num_continuations)
+
+    def forward_guesses(self, last_token: int) -> list[tuple[list[int], bool]]:
+        """The continuations of LAST_TOKEN, most recently written first, each with whether the pool wrote it."""
+        return [(list(continuation), (last_token, continuation) in self.pool_forward)
+                for continuation in reversed(self.forward.get(last_token, ()))]
+
+    def backward_guess(self, token_ids: Sequence[int], max_tokens: int) -> tuple[list[int], bool]:
+        """Up to MAX_TOKENS tokens, each the backward dictionary's next token after the longest context (of the
+        list's last tokens and the guess so far) that it knows; it stops where it knows none. Also whether an entry
+        the pool wrote gave any of them."""
+        context = list(token_ids[-(self.n - 1):])
+        guess: list[int] = []
+        from_pool = False
+        while len(guess) < max_tokens:
+            key = next((key for k in range(min(self.n - 1, len(context)), 0, -1)
+                        if (key := tuple(context[-k:])) in self.backward), None)
+            if key is None:
+                break
+            following = self.backward[key]
+            from_pool = from_pool or key in self.pool_backward
+            guess.append(following)
+            context = context[1:] + [following] if len(context) == self.n - 1 else context + [following]
+        return guess, from_pool
+
+
+class CandidatePool:
+    """W chains of N - 1 tokens, advanced a token at a time through look-ahead rows (Algorithm 1 lines 25-43).
+
+    Each chain the step carried gets its next token from the logits after its last row: the most probable token
+    the forward dictionary has no entry for (among the UNSEEN_CANDIDATES most probable; past them a token is too
+    unlikely to be worth a guess) with probability 1 - tau, the most probable one otherwise (the paper's
+    rule as written: r ~ U(0, 1) > tau refines, tau = 0.1). The chain with that token is an n-gram for the
+    dictionaries; then it shifts left by one. The chains carried go to the back of the pool, so that when the planner
+    keeps only a few, every chain takes its turn. Chains start as random tokens of the request's own context."""
+
+    UNSEEN_CANDIDATES = 16  # most probable tokens searched for one the forward dictionary lacks
+
+    def __init__(self, context: Sequence[int], size: int, length: int, tau: float, rng: random.Random) -> None:
+        self.chains = [[rng.choice(context) for _ in range(length)] for _ in range(size)]
+        self.tau = tau
+        self.rng = rng
+
+    def offered(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(chain) for chain in self.chains)
+
+    def advance(self, logits: torch.Tensor, index: NgramDictionaries) -> int:
+        """Advance the first len(LOGITS) chains, writing each n-gram into INDEX; returns the rows they took."""
+        carried = self.chains[:len(logits)]
+        top = logits.topk(min(self.UNSEEN_CANDIDATES, logits.shape[-1]), dim=-1).indices.tolist()
+        for chain, candidates in zip(carried, top):
+            following = candidates[0]
+            if self.rng.random() > self.tau:
+                following = next((token for token in candidates if token not in index.forward), following)
+            index.add_chain(chain + [following], from_pool=True)
+            chain[:] = chain[1:] + [following]
+        self.chains = self.chains[len(carried):] + carried
+        return sum(len(chain) for chain in carried)
+
+
+class LookaheadYield:
+    """Tokens look-ahead rows earn, per row: over all requests, the tokens accepted from guesses the pool wrote
+    beyond what the best guess the token lists wrote would have accepted, divided by the rows computed; it starts
+    from PRIOR, worth PRIOR_ROWS rows, so the planner tries a few chains before it knows."""
+
+    PRIOR = 0.1  # tokens per row: about what a row must earn to pay for itself in a CPU decode step
+    PRIOR_ROWS = 64.0
+
+    def __init__(self) -> None:
+        self.earned = 0.0
+        self.rows = 0
+
+    @property
+    def per_row(self) -> float:
+        return (self.earned + self.PRIOR * self.PRIOR_ROWS) / (self.rows + self.PRIOR_ROWS)
+
+    def score(self, guesses: list[Guess], target_token_ids: Sequence[int]) -> None:
+        """Credit the pool with what its guesses would have accepted beyond the others'."""
+        best = {True: 0, False: 0}
+        for guess in guesses:
+            best[guess.from_pool] = max(best[guess.from_pool], accepted_len(guess.token_ids, target_token_ids))
+        self.earned += max(best[True] - best[False], 0)
+
+
+@dataclass
+class Guess:
+    token_ids: list[int]
+    kind: str  # its acceptance statistics' key: backward, or forward with its rank; ":pool" if the pool wrote it
+    from_pool: bool
+
+
+def accepted_len(guess: Sequence[int], target_token_ids: Sequence[int]) -> int:
+    return common_prefix_len(guess, target_token_ids)
+
+
+class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
+    """SPECTRA-core: the dictionaries' guesses as one tree per step, and the candidate pool's chains offered as
+    look-ahead for the planner to carry or not."""
+
+    name = "spectra"
+
+    def __init__(self, n: int = NGRAM, max_guesses: int = MAX_GUESSES, pool_size: int = POOL_SIZE,
+                 tau: float = TAU, per_key_cap: int = PER_KEY_CAP, seed: int = 0) -> None:
+        super().__init__(lambda: NgramDictionaries(n, per_key_cap))
+        self.n = n
+        self.max_guesses = max_guesses
+        self.pool_size = pool_size
+        self.tau = tau
+        self.rng = random.Random(seed)
+        self.rates = RowRates()
+        self.lookahead_yield = LookaheadYield()
+        self._pools: dict[str, CandidatePool] = {}  # request id -> its candidate pool
+        self._proposed: dict[str, list[Guess]] = {}  # request id -> its last draft's guesses
+
+    def begin(self, req: DraftableRequest, state: SessionCorpus[NgramDictionaries] | None = None) -> None:
+        super().begin(req, state)
+        if self.pool_size:
+            self._pools[req.request_id] = CandidatePool(req.all_token_ids, self.pool_size, self.n - 1, self.tau,
+                                                        self.rng)
+
+    def observe(self, req: DraftableRequest, computed: Computed) -> None:
+        """The look-ahead rows' logits advance the pool's chains carried, and their n-grams join the dictionaries."""
+        if computed.lookahead_logits is not None:
+            pool = self._pools[req.request_id]
+            self.lookahead_yield.rows += pool.advance(computed.lookahead_logits, self._corpora[req.request_id].index)
+
+    def extend(self, req: DraftableRequest, new_token_ids: Sequence[int]) -> None:
+        """The step's tokens are the target's next ones: they score the last draft's guesses, then join the
+        dictionaries."""
+        guesses = self._proposed.pop(req.request_id, [])
+        self.rates.score([(guess.token_ids, guess.kind) for guess in guesses], new_token_ids)
+        self.lookahead_yield.score(guesses, new_token_ids)
+        super().extend(req, new_token_ids)
+
+    def draft(self, request_id: str, corpus: SessionCorpus[NgramDictionaries]) -> Draft:
+        guesses = self.guesses(corpus.index, corpus.corpus)
+        self._proposed[request_id] = guesses  # scored against the target's tokens at the next extend
+        token_ids, parents, paths = merge_rows([guess.token_ids for guess in guesses])
+        estimates = [0.0] * len(token_ids)
+        for guess, path in zip(guesses, paths):
+            for node, rate in zip(path, self.rates.rates(guess.kind, len(path))):
+                estimates[node] = max(estimates[node], rate)
+        pool = self._pools.get(request_id)
+        return Draft(token_ids, self.name, parents, estimates, lookahead=pool.offered() if pool else (),
+                     lookahead_yield=self.lookahead_yield.per_row)
+
+    def guesses(self, index: NgramDictionaries, token_ids: Sequence[int]) -> list[Guess]:
+        """At most G guesses: the backward one first, then the forward ones; a guess that a guess taken before
+        already covers (as a prefix of it) adds no token to the tree and is left out."""
+        backward, from_pool = index.backward_guess(token_ids, self.n)
+        candidates = [Guess(backward, "backward" + (":pool" if from_pool else ""), from_pool)]
+        candidates += [Guess(guess, f"forward:rank{min(rank, 3)}" + (":pool" if from_pool else ""), from_pool)
+                       for rank, (guess, from_pool) in enumerate(index.forward_guesses(token_ids[-1]))]
+        covered: set[tuple[int, ...]] = set()
+        guesses = []
+        for guess in candidates:
+            if len(guesses) == self.max_guesses:
+                break
+            if guess.token_ids and tuple(guess.token_ids) not in covered:
+                covered.update(tuple(guess.token_ids[:end]) for end in range(1, len(guess.token_ids) + 1))
+                guesses.append(guess)
+        return guesses
+
+    def finish(self, req: DraftableRequest) -> SessionCorpus | None:
+        self._proposed.pop(req.request_id, None)
+        self._pools.pop(req.request_id, None)
+        return super().finish(req)
+
+    def state_bytes(self) -> int:
+        pools = sum(len(pool.chains) * (self.n - 1) for pool in self._pools.values())
+        return super().state_bytes() + TOKEN_BYTES * pools

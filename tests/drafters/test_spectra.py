@@ -1,0 +1,180 @@
+"""SPECTRA-core: the forward and backward dictionaries as Algorithm 1 updates them, the bidirectional search with the
+backward guess first, at most G guesses merged into one tree, and the dictionaries carried across a session's turns."""
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from drafters.base import Computed
+from drafters.spectra import NgramDictionaries, SpectraDrafter
+from drafters.tree import path_to
+
+
+@dataclass
+class Req:
+    request_id: str
+    all_token_ids: list[int] = field(default_factory=list)
+
+
+def indexed(tokens, n=5, cap=15) -> NgramDictionaries:
+    index = NgramDictionaries(n, cap)
+    index.extend(tokens)
+    return index
+
+
+def guesses_of(index, token):
+    return [guess for guess, _ in index.forward_guesses(token)]
+
+
+def test_a_chain_updates_both_dictionaries_as_algorithm_1_does():
+    index = NgramDictionaries(n=4)
+    index.add_chain([1, 2, 3, 4])
+    assert {token: list(listed) for token, listed in index.forward.items()} == {1: [(2, 3, 4)], 2: [(3, 4)], 3: [(4,)]}
+    assert index.backward == {(1,): 2, (1, 2): 3, (1, 2, 3): 4}
+
+
+def test_the_token_list_feeds_every_window_and_the_latest_write_wins_backward():
+    index = indexed([1, 2, 3, 1, 2, 4], n=3)
+    assert index.backward[(1, 2)] == 4 and index.backward[(2,)] == 4 and index.backward[(3, 1)] == 2
+    assert guesses_of(index, 1) == [[2, 4], [2, 3]]  # most recent first
+    assert guesses_of(index, 2) == [[4], [3, 1]]
+
+
+def test_a_continuation_that_a_longer_one_extends_is_not_listed_twice():
+    index = indexed([7, 8, 9, 5, 6], n=5)
+    assert guesses_of(index, 7) == [[8, 9, 5, 6]]  # its shorter prefixes, written on the way, were replaced
+    index.add_chain([7, 8])  # a prefix of the listed continuation only refreshes it
+    assert guesses_of(index, 7) == [[8, 9, 5, 6]]
+
+
+def test_each_tokens_list_keeps_its_most_recent_continuations():
+    tokens = []
+    for follower in range(10, 30):
+        tokens += [1, follower]
+    index = indexed(tokens, n=2, cap=4)
+    assert guesses_of(index, 1) == [[29], [28], [27], [26]]
+
+
+def test_incremental_and_one_shot_indexing_agree():
+    rng = random.Random(0)
+    tokens = [rng.randrange(6) for _ in range(300)]
+    incremental = NgramDictionaries()
+    for end in range(0, len(tokens) + 1, 7):
+        incremental.extend(tokens[:end])
+    incremental.extend(tokens)
+    one_shot = indexed(tokens)
+    assert incremental.backward == one_shot.backward and incremental.num_bytes == one_shot.num_bytes > 0
+    assert one_shot.num_continuations == sum(len(listed) for listed in one_shot.forward.values())
+    assert {k: list(v) for k, v in incremental.forward.items()} == {k: list(v) for k, v in one_shot.forward.items()}
+
+
+def test_the_backward_guess_follows_the_longest_known_context_token_by_token():
+    index = NgramDictionaries(n=3)
+    index.add_chain([5, 1, 2])  # after (5, 1): 2
+    index.add_chain([9, 1, 7])  # after (9, 1): 7, and after (9,): 1
+    index.add_chain([1, 3])  # after (1,): 3, the latest
+    index.add_chain([7, 9])
+    # context ... 9, 1: the 2-token context (9, 1) says 7 (not (1,) -> 3); then (1, 7) is unknown, (7,) says 9; ...
+    assert index.backward_guess([4, 9, 1], max_tokens=4) == ([7, 9, 1, 7], False)
+    assert index.backward_guess([4, 6], max_tokens=4) == ([], False)  # nothing known after 6
+
+
+def test_guesses_put_the_backward_one_first_cap_at_g_and_merge_into_one_tree():
+    drafter = SpectraDrafter(n=3, max_guesses=3, pool_size=0)
+    tokens = [1, 2, 3, 0, 1, 2, 4, 0, 1, 5, 6, 0, 1, 7, 8, 0, 1]
+    req = Req("r", tokens)
+    drafter.begin(req)
+    index = drafter._corpora["r"].index
+    guesses = drafter.guesses(index, tokens)
+    assert index.backward_guess(tokens, 3) == ([7, 8, 0], False) and guesses[0].token_ids == [7, 8, 0]
+    assert [g.kind for g in guesses] == ["backward", "forward:rank1", "forward:rank2"]  # rank 0 is [7, 8]: covered
+    assert [g.token_ids for g in guesses[1:]] == [[5, 6], [2, 4]]
+    draft = drafter.propose([req])[0]
+    assert draft.source == "spectra" and len(draft.acceptance) == len(draft) == 7 and draft.lookahead == ()
+    paths = {tuple(draft.token_ids[node] for node in path_to(draft.parents, leaf)) for leaf in range(len(draft))
+             if leaf not in draft.parents}
+    assert paths == {(7, 8, 0), (5, 6), (2, 4)}
+
+
+def test_the_steps_tokens_score_the_last_guesses_by_kind():
+    drafter = SpectraDrafter(n=3, pool_size=0)
+    req = Req("r", [1, 2, 3, 1])
+    drafter.begin(req)
+    drafter.propose([req])  # backward guess [2, 3, 1]
+    req.all_token_ids.append(2)
+    drafter.extend(req, [2])
+    assert drafter.rates.hits[("backward", 1)] == 1 and drafter.rates.tried[("backward", 2)] == 0
+
+
+def test_a_next_turn_resumes_the_dictionaries():
+    drafter = SpectraDrafter(n=3)
+    first = Req("a", [4, 5, 6, 7])
+    drafter.begin(first)
+    state = drafter.finish(first)
+    second = Req("b", [4, 5, 6, 7, 9, 4])
+    drafter.begin(second, state)
+    assert drafter._corpora["b"] is state and state.index.num_indexed == 6
+    # after 4: the first turn's 4 5 6 7, backward token by token, and forward (a prefix of it, so left out)
+    assert [(g.token_ids, g.kind) for g in drafter.guesses(state.index, second.all_token_ids)] == [
+        ([5, 6, 7], "backward")]
+
+
+@pytest.mark.parametrize("n", [1, 0])
+def test_n_below_two_is_refused(n):
+    from drafters.config import SpecConfig
+
+    with pytest.raises(ValueError, match="spectra_n"):
+        SpecConfig(spectra_n=n)
+
+
+def logits_preferring(vocab, *tokens):
+    """[len(tokens), vocab] logits whose argmax in row i is tokens[i] and whose runner-up is tokens[i] + 1."""
+    logits = torch.zeros(len(tokens), vocab)
+    for row, token in enumerate(tokens):
+        logits[row, token], logits[row, (token + 1) % vocab] = 2.0, 1.0
+    return logits
+
+
+def test_the_pool_offers_its_chains_as_look_ahead_and_advances_those_carried():
+    drafter = SpectraDrafter(n=3, pool_size=3, tau=1.0)  # tau 1: always the most probable token
+    req = Req("r", [1, 2, 3, 4, 5])
+    drafter.begin(req)
+    chains = drafter.propose([req])[0].lookahead
+    assert len(chains) == 3 and all(len(chain) == 2 and set(chain) <= {1, 2, 3, 4, 5} for chain in chains)
+    # the scheduler kept the first two chains: their next tokens are 7 and 8
+    drafter.observe(req, Computed(4, [5], lookahead_logits=logits_preferring(10, 7, 8)))
+    index = drafter._corpora["r"].index
+    first, second = chains[0] + (7,), chains[1] + (8,)
+    assert index.backward[first[:2]] == 7 and index.backward[second[:2]] == 8
+    assert (first[0], first[1:]) in index.pool_forward and list(first[1:]) in guesses_of(index, first[0])
+    # carried chains shift left and go to the back: the one left out is offered first next time
+    assert drafter.propose([req])[0].lookahead == (chains[2], first[1:], second[1:])
+    assert drafter.lookahead_yield.rows == 4
+
+
+def test_past_tau_a_chain_takes_the_most_probable_token_the_forward_dictionary_lacks():
+    drafter = SpectraDrafter(n=3, pool_size=1, tau=0.0)  # r > 0 always: refine
+    req = Req("r", [1, 2, 7, 1, 2])  # 7 has a forward entry (7 -> 1 2), 8 none
+    drafter.begin(req)
+    assert 7 in drafter._corpora["r"].index.forward and 8 not in drafter._corpora["r"].index.forward
+    chain = drafter.propose([req])[0].lookahead[0]
+    drafter.observe(req, Computed(4, [2], lookahead_logits=logits_preferring(10, 7)))
+    assert drafter._corpora["r"].index.backward[chain] == 8
+
+
+def test_what_look_ahead_rows_earned_is_credited_per_row():
+    drafter = SpectraDrafter(n=3, pool_size=1, tau=1.0)
+    req = Req("r", [1, 2, 3, 4])
+    drafter.begin(req)
+    prior = drafter.lookahead_yield.per_row
+    drafter._pools["r"].chains = [[4, 6]]
+    drafter.propose([req])
+    drafter.observe(req, Computed(3, [4], lookahead_logits=logits_preferring(10, 9)))  # the pool writes 4 6 9
+    assert drafter.lookahead_yield.rows == 2 and drafter.lookahead_yield.per_row < prior  # nothing earned yet
+    drafter.propose([req])
+    guesses = drafter._proposed["r"]
+    assert [(g.token_ids, g.kind) for g in guesses] == [([6, 9], "backward:pool")]  # only the pool knows what follows
+    drafter.extend(req, [6, 9])  # the target's tokens: both guessed tokens, and no other guess had them
+    assert drafter.lookahead_yield.earned == 2
+    assert drafter.lookahead_yield.per_row == (2 + prior * 64) / (2 + 64)
