@@ -7,7 +7,7 @@ import jsonschema
 import openai
 import pytest
 
-from bench.server_process import start_server, stop_server
+from tests.e2e.conftest import PLAIN_API_KEY
 
 MODEL = "SmolLM2-135M-Instruct"
 TEXT = ("The committee met on Tuesday to review the budget. It approved funding for the new library, "
@@ -38,12 +38,10 @@ FEATURES = {
 
 
 @pytest.fixture(scope="module")
-def plain_client(tmp_path_factory):
+def plain_client(plain_server):
     from openai import OpenAI
 
-    running = start_server(tmp_path_factory.mktemp("plain-server"), "--drafter", "none", "--max-num-seqs", "4")
-    yield OpenAI(base_url=running.api_url, api_key="unused", max_retries=0, timeout=120)
-    stop_server(running)
+    return OpenAI(base_url=plain_server.api_url, api_key=PLAIN_API_KEY, max_retries=0, timeout=120)
 
 
 def chat(client, **kwargs):

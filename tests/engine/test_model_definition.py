@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from bench.exactness import divergence_verdict
 from drafters.config import SpecConfig
+from drafters.registry import build_drafter
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model.gguf_cache import loadable_source
@@ -49,11 +50,16 @@ def eager_continuations(path: str, prompts: list[list[int]]) -> tuple[torch.nn.M
     return model, outputs
 
 
-def served(model: str | None, prompts: list[list[int]], drafter: str) -> list[list[int]]:
-    config = EngineConfig(model=ModelConfig(model=model, weights="float32"), spec=SpecConfig(drafter=drafter))
+def served(engine: Engine, prompts: list[list[int]], drafter: str) -> list[list[int]]:
+    """The continuations ENGINE serves drafting with DRAFTER. One engine serves both drafters (none and copyspec
+    need no drafter context): the second run finds each prompt in its session cache and decodes on the first's KV."""
+    engine.speculation.drafter = build_drafter(SpecConfig(drafter=drafter), None)
     params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)]
-    engine = Engine(config)
     return [run_to_completion(engine, [prompt], params)["req-0"].new_token_ids for prompt in prompts]
+
+
+def float32_engine(model: str | None) -> Engine:
+    return Engine(EngineConfig(model=ModelConfig(model=model, weights="float32")))
 
 
 def assert_definition_kept(reference_model, prompts, expected, got) -> None:
@@ -65,13 +71,13 @@ def assert_definition_kept(reference_model, prompts, expected, got) -> None:
 @pytest.fixture(scope="module")
 def smollm2_reference():
     path, prompts = smollm2_prompts()
-    return (None, prompts, *eager_continuations(path, prompts))
+    return (float32_engine(None), prompts, *eager_continuations(path, prompts))
 
 
 @pytest.fixture(scope="module")
 def gemma_reference(tiny_gemma_dir):
     prompts = random_prompts(512)
-    return (tiny_gemma_dir, prompts, *eager_continuations(tiny_gemma_dir, prompts))
+    return (float32_engine(tiny_gemma_dir), prompts, *eager_continuations(tiny_gemma_dir, prompts))
 
 
 @pytest.mark.slow
@@ -79,5 +85,5 @@ def gemma_reference(tiny_gemma_dir):
 @pytest.mark.parametrize("drafter", ["none", "copyspec"])
 def test_greedy_continuations_follow_the_models_definition_past_its_window(request, model, drafter):
     """SmolLM2 has no window; the Gemma-shaped model's 512-token window is outgrown by every context but the first."""
-    served_model, prompts, reference_model, expected = request.getfixturevalue(f"{model}_reference")
-    assert_definition_kept(reference_model, prompts, expected, served(served_model, prompts, drafter))
+    engine, prompts, reference_model, expected = request.getfixturevalue(f"{model}_reference")
+    assert_definition_kept(reference_model, prompts, expected, served(engine, prompts, drafter))
