@@ -12,12 +12,13 @@ import shlex
 import sys
 from pathlib import Path
 
-from bench.cli import add_bench_parser
-from engine.calibration import ARTIFACTS, CalibrationOptions
-from server.cli import add_engine_flags, add_serve_parser, engine_config
-
 
 def build_parser() -> argparse.ArgumentParser:
+    # imported here, not at the top: the engine process a server spawns imports this module (it is the server's
+    # __main__), and needs none of the commands' modules
+    from bench.cli import add_bench_parser
+    from server.cli import add_serve_parser
+
     parser = argparse.ArgumentParser(prog="specserve", description="Lossless speculative LLM serving")
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(commands)
@@ -27,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_calibrate_parser(commands) -> None:
+    from engine.calibration import ARTIFACTS, CalibrationOptions
+    from server.cli import add_engine_flags
+
     calibrate = commands.add_parser(
         "calibrate", help="build an artifact drafters derive from the served model, ahead of serving",
         description="bigram: the n-gram drafter's model bigram table; pld-plus: PLD+'s layer and heads; "
@@ -42,6 +46,9 @@ def add_calibrate_parser(commands) -> None:
 
 
 def calibrate_artifact(args: argparse.Namespace) -> None:
+    from engine.calibration import ARTIFACTS, CalibrationOptions
+    from server.cli import engine_config
+
     logging.basicConfig(level=logging.INFO)
     options = CalibrationOptions(args.max_new_tokens, args.out, "specserve " + shlex.join(sys.argv[1:]))
     ARTIFACTS[args.artifact](engine_config(args, "none"), options)

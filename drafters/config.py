@@ -30,7 +30,7 @@ class SpecConfig:
     spectra_guesses: int = field(default=15, metadata={"help": "SPECTRA: guesses per draft, merged into one tree (G)"})
     spectra_pool: int = field(default=15, metadata={"help": (
         "SPECTRA: chains in its candidate pool (W), advanced through look-ahead rows as the planner allows; 0: none")})
-    spectra_tau: float = field(default=0.1, metadata={"help": (
+    spectra_tau: float = field(default=0.9, metadata={"help": (  # drafters/spectra.py's TAU says why not 0.1
         "SPECTRA: a pool chain takes the most probable token its forward dictionary lacks when r > tau, r ~ U(0, 1)")})
     num_draft_tokens: int = field(default=5, metadata={  # k, SV's setting
         "help": "draft model: tokens drafted per step at most (the goodput planner may draft fewer)"})
