@@ -37,7 +37,7 @@ from engine.model.tokenizer import load_tokenizer
 from server.cli import add_engine_flags, engine_config
 from server.flags import config_as_argv
 
-ALL_DRAFTERS = ("none", "copyspec", "ngram", "hf-greedy", "hf-pld", "llama-server", "llama-server-spec")
+ALL_DRAFTERS = ("none", "copyspec", "ngram", "spectra", "hf-greedy", "hf-pld", "llama-server", "llama-server-spec")
 PEERS = ("transformers-serve", "llama-server", "llama-server-spec")
 SESSION_MODES = ("off", "explicit", "implicit")
 SESSION_BENCHMARKS = ("mt-redundant", "self-correction")
