@@ -7,11 +7,13 @@ import torch
 
 from bench.exactness import divergence_verdict
 from drafters.config import SpecConfig
-from engine.config import EngineConfig, ModelConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.wire import EngineRequest, SamplingParams
 from tests.conftest import TINY_VOCAB
 from tests.engine.helpers import run_to_completion
+
+SMALL_POOL = 0.05  # GiB: the pool is zeroed at start-up, and the module keeps its engines
 
 
 def make_engine(model_dir, drafter, planner=True, cache_dir=None):
@@ -19,6 +21,7 @@ def make_engine(model_dir, drafter, planner=True, cache_dir=None):
 
     return Engine(EngineConfig(
         model=ModelConfig(model=model_dir, device="cpu", cache_dir=cache_dir),
+        cache=CacheConfig(SMALL_POOL),
         scheduler=SchedulerConfig(max_num_seqs=8, use_goodput_planner=planner),
         spec=SpecConfig(drafter=drafter, copy_gamma=2, ngram_k=5, ngram_w=4),
     ))
@@ -176,6 +179,7 @@ def pld_engines(tiny_model_dir, tmp_path_factory):
     def engine(ranking, **spec):
         return Engine(EngineConfig(
             model=ModelConfig(model=tiny_model_dir, device="cpu", cache_dir=str(tmp_path_factory.mktemp("cache"))),
+            cache=CacheConfig(SMALL_POOL),
             scheduler=SchedulerConfig(max_num_seqs=8, use_goodput_planner=False),
             spec=SpecConfig(drafter=ranking, **spec),
         ))
