@@ -16,8 +16,8 @@ from pathlib import Path
 def build_parser() -> argparse.ArgumentParser:
     # imported here, not at the top: the engine process a server spawns imports this module (it is the server's
     # __main__), and needs none of the commands' modules
-    from bench.cli import add_bench_parser
-    from server.cli import add_serve_parser
+    from bench.cli import add_bench_parser  # heavy: see the comment above
+    from server.cli import add_serve_parser  # heavy: see the comment above
 
     parser = argparse.ArgumentParser(prog="specserve", description="Lossless speculative LLM serving")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -28,8 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_calibrate_parser(commands) -> None:
-    from engine.calibration import ARTIFACTS, CalibrationOptions
-    from server.cli import add_engine_flags
+    from engine.calibration import ARTIFACTS, CalibrationOptions  # heavy: see build_parser
+    from server.cli import add_engine_flags  # heavy: see build_parser
 
     calibrate = commands.add_parser(
         "calibrate", help="build an artifact drafters derive from the served model, ahead of serving",
@@ -46,8 +46,8 @@ def add_calibrate_parser(commands) -> None:
 
 
 def calibrate_artifact(args: argparse.Namespace) -> None:
-    from engine.calibration import ARTIFACTS, CalibrationOptions
-    from server.cli import engine_config
+    from engine.calibration import ARTIFACTS, CalibrationOptions  # heavy: see build_parser
+    from server.cli import engine_config  # heavy: see build_parser
 
     logging.basicConfig(level=logging.INFO)
     options = CalibrationOptions(args.max_new_tokens, args.out, "specserve " + shlex.join(sys.argv[1:]))
