@@ -198,7 +198,7 @@ class LookaheadYield:
         """Credit the pool with what its guesses would have accepted beyond the others'."""
         best = {True: 0, False: 0}
         for guess in guesses:
-            best[guess.from_pool] = max(best[guess.from_pool], accepted_len(guess.token_ids, target_token_ids))
+            best[guess.from_pool] = max(best[guess.from_pool], common_prefix_len(guess.token_ids, target_token_ids))
         self.earned += max(best[True] - best[False], 0)
 
 
@@ -207,10 +207,6 @@ class Guess:
     token_ids: list[int]
     kind: str  # its acceptance statistics' key: backward, or forward with its rank; ":pool" if the pool wrote it
     from_pool: bool
-
-
-def accepted_len(guess: Sequence[int], target_token_ids: Sequence[int]) -> int:
-    return common_prefix_len(guess, target_token_ids)
 
 
 class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
