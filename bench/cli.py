@@ -24,12 +24,15 @@ from bench.mt import run_mt_benchmark
 from bench.ngram import DATASETS as NGRAM_DATASETS
 from bench.ngram import run_ngram_benchmark
 from bench.pld_plus import run_pld_plus_benchmark
+from bench.roofline import BATCH_SIZES as ROOFLINE_BATCH_SIZES
+from bench.roofline import CPU_MT_RESULTS, VERIFY_TOKENS, run_roofline
+from bench.roofline import SHAPES as ROOFLINE_SHAPES
 from bench.runners import EngineRunner, HFRunner
 from bench.sessions import run_sessions_benchmark
 from bench.soak import run_soak
 from bench.spectra import run_spectra_benchmark
 from bench.step_profile import run_step_profile
-from engine.config import EngineConfig
+from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.model.model_loader import load_model
 from engine.model.model_source import resolve_model_source
@@ -38,6 +41,7 @@ from server.cli import add_engine_flags, engine_config
 from server.flags import config_as_argv
 
 ALL_DRAFTERS = ("none", "copyspec", "ngram", "spectra", "hf-greedy", "hf-pld", "llama-server", "llama-server-spec")
+PROMPT_LOOKUP_DRAFTERS = ("pld", "pld-plus")  # conversation benchmarks run them when named (bench spec-bench: always)
 PEERS = ("transformers-serve", "llama-server", "llama-server-spec")
 SESSION_MODES = ("off", "explicit", "implicit")
 SESSION_BENCHMARKS = ("mt-redundant", "self-correction")
@@ -52,6 +56,7 @@ class Benchmark:
     data_sets: Callable[[argparse.Namespace], list[str]]  # the data files it reads, checked before any model loads
     add_flags: Callable[[argparse.ArgumentParser], None] = lambda parser: None
     results_dir: str | None = None  # bench/results/ folder, when not the benchmark's name
+    serves_model: bool = True  # False: it builds its own models (no tokenizer of the served model is loaded)
 
 
 def comma_list(allowed: tuple[str, ...], first: str | None = None, what: str = "values") -> Callable[[str], tuple]:
@@ -75,9 +80,12 @@ def parse_turns(text: str) -> tuple[int, ...]:
     return turns
 
 
-def add_drafters_flag(parser: argparse.ArgumentParser, allowed: tuple[str, ...] = ALL_DRAFTERS) -> None:
-    parser.add_argument("--drafters", type=comma_list(allowed, "none", "drafters"), default=("none", *allowed[1:]),
-                        help=f"comma list from {allowed}; 'none' is always run")
+def add_drafters_flag(
+    parser: argparse.ArgumentParser, allowed: tuple[str, ...] = ALL_DRAFTERS, extra: tuple[str, ...] = (),
+) -> None:
+    """--drafters: a comma list from ALLOWED and EXTRA, by default every one of ALLOWED."""
+    parser.add_argument("--drafters", type=comma_list(allowed + extra, "none", "drafters"),
+                        default=("none", *allowed[1:]), help=f"comma list from {allowed + extra}; 'none' is always run")
 
 
 def add_limit_flag(parser: argparse.ArgumentParser, default_note: str = "all") -> None:
@@ -86,7 +94,7 @@ def add_limit_flag(parser: argparse.ArgumentParser, default_note: str = "all") -
 
 # --- conversations, turn by turn: mt-redundant, mt-bench, humaneval, gsm8k ----------------------------------------
 def add_mt_flags(parser: argparse.ArgumentParser) -> None:
-    add_drafters_flag(parser)
+    add_drafters_flag(parser, extra=PROMPT_LOOKUP_DRAFTERS)
     add_limit_flag(parser)
     parser.add_argument("--per-category", type=int, default=None, help="first N questions of each category")
     parser.add_argument("--resume", action="store_true", help="keep rows already in OUT/results.json")
@@ -263,6 +271,31 @@ def add_models_flags(parser: argparse.ArgumentParser) -> None:
                         help="rounds of B requests at each batch size B until at least this many were answered")
 
 
+def add_roofline_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", type=comma_list(tuple(ROOFLINE_SHAPES), what="sizes"), default=("1b", "8b"),
+                        help=f"model shapes from {tuple(ROOFLINE_SHAPES)} (tiny: a check of the benchmark on a CPU)")
+    parser.add_argument("--batch-sizes", type=parse_ints, default=ROOFLINE_BATCH_SIZES, help="batch sizes B")
+    parser.add_argument("--verify-tokens", type=parse_ints, default=VERIFY_TOKENS,
+                        help="new tokens per request of the verify steps (1 must be among them)")
+    parser.add_argument("--hf-batch-sizes", type=parse_ints, default=(1,),
+                        help="batch sizes at which transformers' generate is measured (each compiles its own graphs)")
+    parser.add_argument("--graph-max-tokens", type=int, default=CacheConfig.cuda_graph_max_tokens,
+                        help="the largest step specserve's runner captures as a CUDA graph (0: none)")
+    parser.add_argument("--no-hf-compile", dest="hf_compile", action="store_false",
+                        help="transformers' generate uncompiled (on a CPU it always is)")
+    parser.add_argument("--cpu-mt-results", type=Path, default=CPU_MT_RESULTS,
+                        help="the CPU MT-Redundant results whose copyspec acceptance the projection uses")
+    parser.add_argument("--device-mt-results", type=Path, default=None,
+                        help="measure nothing: join this MT-Redundant run's turn-2 rows (the default model on the same "
+                             "device) into OUT's results")
+
+
+def run_roofline_bench(args: argparse.Namespace, config: EngineConfig, tokenizer, out_dir: Path) -> None:
+    if 1 not in args.verify_tokens:
+        raise SystemExit("--verify-tokens must include 1: every cost is relative to it")
+    run_roofline(args, config.model.device, out_dir)
+
+
 def add_soak_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soak-clients", type=int, default=64, help="concurrent streaming clients")
     parser.add_argument("--soak-seconds", type=float, default=300.0, help="seconds of load")
@@ -291,6 +324,8 @@ BENCHMARKS: dict[str, Benchmark] = {
                       lambda args, config, tokenizer, out: run_soak(args, out), lambda args: [], add_soak_flags),
     "api": Benchmark("request-field variants under speculation, with the lossless check", run_api,
                      lambda args: ["mt-redundant"], add_api_flags),
+    "roofline": Benchmark("random Llama 1B/8B on a GPU: decode step against the memory-bandwidth bound, verify cost",
+                          run_roofline_bench, lambda args: [], add_roofline_flags, "gpu", serves_model=False),
     "models": Benchmark("draft and companion models against plain decoding at batch sizes B", run_models_benchmark,
                         lambda args: ["mt-bench", "mt-redundant"], add_models_flags),
 }
@@ -326,5 +361,5 @@ def run_bench(args: argparse.Namespace) -> None:
     check_data(benchmark, args)
     out_dir = args.out or Path(__file__).resolve().parent / "results" / (benchmark.results_dir or args.name)
     config = engine_config(args, "none")
-    benchmark.run(args, config, load_tokenizer(config.model), out_dir)
+    benchmark.run(args, config, load_tokenizer(config.model) if benchmark.serves_model else None, out_dir)
     print((out_dir / "results.md").read_text())

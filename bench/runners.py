@@ -26,11 +26,16 @@ class Generation:
 
 
 class EngineRunner:
-    """Greedy generation through a specserve Engine, in this process."""
+    """Greedy generation through a specserve Engine, in this process. It waits for the drafter's model bigram table
+    if one is being built in the background (the first use of ngram on a machine): a build beside the measurements
+    would slow every runner of the run while it lasts."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._count = 0
+        bigram = getattr(engine.speculation.drafter, "bigram", None)
+        if bigram is not None and bigram.wait() is None:
+            raise RuntimeError("the model bigram table could not be built")
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
         self._count += 1

@@ -30,6 +30,8 @@ def forward_item(item: ScheduledRequest, block_size: int, capture: CaptureSpec) 
         drafter_rows.append(len(token_ids) - 1)
     forward = tree_item(token_ids, parents, item.num_computed, item.block_table, block_size, logit_rows)
     forward.drafter_rows = drafter_rows
+    sampling = item.req.sampling
+    forward.argmax_only = sampling.greedy and not sampling.processes_logits and sampling.logprobs is None
     if capture.hidden_layer is not None:
         forward.hidden_rows = list(range(n))  # the look-ahead rows' are nobody's
     if capture.attention_heads:

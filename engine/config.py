@@ -9,7 +9,7 @@ from drafters.config import SpecConfig
 from scheduler.config import SchedulerConfig, SessionConfig
 
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flash")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # engine/model/weights.py's modes, kept here so that the config imports no torch
 WEIGHT_MODES = ("auto", "float32", "bfloat16", "int8", "int4", "gguf")
@@ -59,11 +59,17 @@ class CacheConfig:
     block_size: int | None = field(default=None, metadata={
         "help": "positions per KV block (default: 16; 256 with flash-attn)"})
     attention_backend: str = field(default="auto", metadata={
-        "help": "flash needs CUDA and flash-attn", "choices": ATTENTION_BACKENDS})
+        "help": "auto: flash where flash-attn is installed, else triton on CUDA, else sdpa (triton, flash: CUDA)",
+        "choices": ATTENTION_BACKENDS})
+    cuda_graph_max_tokens: int = field(default=256, metadata={
+        "help": "on a GPU with the triton backend, steps of short chains (decoding, verifying chains of drafts) of "
+                "up to this many tokens replay CUDA graphs captured at start-up; 0: every step eager"})
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory_gib <= 0:
             raise ValueError("kv_cache_memory_gib must be positive")
+        if self.cuda_graph_max_tokens < 0:
+            raise ValueError("cuda_graph_max_tokens must be at least 0")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError("block_size must be at least 1")
         if self.attention_backend not in ATTENTION_BACKENDS:

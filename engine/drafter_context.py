@@ -2,6 +2,7 @@
 models the engine lends its drafter, and the calibration artifacts found for them (engine/artifacts.py)."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from engine.artifacts import (
     weights_fingerprint,
 )
 from engine.config import ModelConfig
+from engine.model.cuda_graphs import CAPTURE_LOCK
 from engine.model.draft_model import DraftForward
 from engine.model.forward import ForwardBatch, ForwardItem
 from engine.model.model_loader import LoadedModel
@@ -78,9 +80,10 @@ class SingleTokenForward:
         logits = []
         for start in range(0, len(token_ids), SINGLE_TOKEN_BATCH):
             chunk = token_ids[start:start + SINGLE_TOKEN_BATCH]
-            logits += self.runner.execute(
-                ForwardBatch([self._item(token, slot) for slot, token in enumerate(chunk, 1)])
-            ).logits
+            with CAPTURE_LOCK if self.runner.device.type == "cuda" else nullcontext():
+                logits += self.runner.execute(
+                    ForwardBatch([self._item(token, slot) for slot, token in enumerate(chunk, 1)])
+                ).logits
         return torch.cat(logits)
 
     def _item(self, token: int, slot: int) -> ForwardItem:

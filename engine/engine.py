@@ -19,7 +19,7 @@ from engine.model.paged_attention import FLASH_BLOCK_SIZE, PagedKVPool, kv_shape
 from engine.model.profiler import profile_forward_latency, profile_path_seconds
 from engine.model.tokenizer import load_tokenizer
 from engine.speculation import Speculation
-from engine.verifier import Verifier
+from engine.verifier import Verifier, verify_greedy
 from engine.wire import EngineError, EngineOutputs, EngineReady, EngineRequest, RequestOutput, StepStats, TokenLogprob
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.latency import LatencyModel
@@ -48,6 +48,8 @@ class Engine:
         pool, blocks = _allocate_kv_pool(loaded, config.cache, backend, extra_bytes)
         self.max_model_len = min(loaded.max_model_len, blocks.num_blocks * blocks.block_size)
         self.runner = PackedModelRunner(loaded.model, loaded.device, pool, blocks.block_size, backend)
+        self.runner.capture_graphs(blocks.num_blocks, -(-self.max_model_len // blocks.block_size),
+                                   config.cache.cuda_graph_max_tokens)  # the pool's spare block: the padding rows'
         # seconds by number of tokens
         self.latency_profile = profile_forward_latency(self.runner, blocks, self.vocab_size, self.max_model_len)
         self.path_seconds_per_position = profile_path_seconds(self.runner, blocks, self.vocab_size, self.max_model_len)
@@ -194,12 +196,16 @@ class Engine:
     ) -> tuple[list[Verification], dict[str, list[TokenLogprob]]]:
         """Each request's verification, and the emitted tokens' log-probabilities of those that asked."""
         results, logprobs = [], {}
-        for item, logits in zip(scheduled, model_out.logits if model_out else []):
+        for index, item in enumerate(scheduled):
             if not item.num_logits:
                 results.append(Verification([]))
                 continue
+            argmax = model_out.argmax[index]
+            if argmax is not None:  # greedy, nothing processed: the runner sent the target's tokens only
+                results.append(verify_greedy(argmax, item.draft_token_ids, item.draft_parents))
+                continue
             result, request_logprobs = self.verifier.verify(
-                item.req, logits, item.draft_token_ids, item.draft_parents, self._draft_probs(item),
+                item.req, model_out.logits[index], item.draft_token_ids, item.draft_parents, self._draft_probs(item),
             )
             results.append(result)
             if request_logprobs is not None:
@@ -312,5 +318,6 @@ def _allocate_kv_pool(
         raise ValueError(
             f"--kv-cache-memory {cache.kv_cache_memory_gib} GiB holds fewer than 64 positions of this model"
         )
-    pool = PagedKVPool(shape[0], num_blocks * block_size, shape[1], shape[2], dtype, loaded.device)
+    # one spare block past the manager's: CUDA graphs' padding rows write their KV there (engine/model/cuda_graphs.py)
+    pool = PagedKVPool(shape[0], (num_blocks + 1) * block_size, shape[1], shape[2], dtype, loaded.device)
     return pool, KVBlockManager(num_blocks, block_size)

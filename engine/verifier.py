@@ -24,7 +24,7 @@ from drafters.tree import ROOT, chain_parents, children, depths
 from engine.grammar import Grammars
 from engine.logits_processing import LogitsProcessor
 from engine.logprobs import token_logprob
-from engine.sampler import UniformStream, inverse_cdf_samples, target_probs
+from engine.sampler import UniformStream, greedy_tokens, inverse_cdf_samples, target_probs
 from engine.wire import SamplingParams, TokenLogprob
 from scheduler.records import Verification
 from scheduler.request import Request
@@ -46,25 +46,8 @@ def walk_tree(choose, draft_token_ids: list[int], draft_parents: list[int]) -> V
         node = child
 
 
-ARGMAX_SLICES = 512  # a large vocabulary's argmax in two stages: the largest logit of each slice, then the first
-
-
-def greedy_tokens(logits: torch.Tensor) -> list[int]:
-    """Each row's argmax: the first index of its largest logit. Over a vocabulary of many slices (Gemma's 262,144 =
-    512 x 512) it runs in two stages, each slice's largest logit and then the first slice holding the row's largest,
-    which gives the same index in a quarter of one argmax's time on the CPU."""
-    rows, vocab = logits.shape
-    if vocab % ARGMAX_SLICES or vocab < ARGMAX_SLICES * ARGMAX_SLICES:
-        return logits.argmax(dim=-1).tolist()
-    values, within = logits.view(rows, ARGMAX_SLICES, -1).max(dim=-1)  # per slice: largest, its first index
-    first_slice = values.argmax(dim=-1)  # the first slice holding the row's largest logit
-    index = first_slice * (vocab // ARGMAX_SLICES) + within.gather(1, first_slice[:, None])[:, 0]
-    return index.tolist()
-
-
-def verify_greedy(logits: torch.Tensor, draft_token_ids: list[int], draft_parents: list[int]) -> Verification:
-    """logits [1 + num_draft, vocab]: row 0 at the last real token, row 1 + j at draft node j."""
-    argmax = greedy_tokens(logits)
+def verify_greedy(argmax: list[int], draft_token_ids: list[int], draft_parents: list[int]) -> Verification:
+    """argmax [1 + num_draft]: the target's token at row 0 (the last real token) and at row 1 + j (draft node j)."""
     return walk_tree(lambda row, depth: argmax[row], draft_token_ids, draft_parents)
 
 
@@ -189,7 +172,7 @@ class Verifier:
         uniforms: list[float] | None,
     ) -> Verification:
         if params.greedy:
-            return verify_greedy(logits, draft_token_ids, draft_parents)
+            return verify_greedy(greedy_tokens(logits), draft_token_ids, draft_parents)
         return verify_sampled(target_probs(logits, params), draft_token_ids, draft_parents, uniforms)
 
     @staticmethod

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels (engine/model/triton_attention.py) run in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 TINY_VOCAB = 48

@@ -316,3 +316,31 @@ def contiguous_first_slot(block_table: list[int], num_keys: int, block_size: int
     if any(b != a + 1 for a, b in zip(table, table[1:])):
         return None
     return table[0] * block_size
+
+
+@dataclass
+class PagedRows:
+    """The rows of a packed batch this kernel attends: their packed indices, block tables and key counts."""
+
+    row_index: torch.Tensor  # [n] int32 packed row of each
+    block_tables: torch.Tensor  # [n, width] int32 its sequence's blocks, padded
+    key_counts: torch.Tensor  # [n] int32 KV entries it sees: 0 .. count - 1 of its block table
+
+
+def paged_rows(chains: list, block_size: int, device: torch.device, width: int | None = None) -> PagedRows:
+    """The PagedRows of CHAINS (GroupMember-like: query_start, query_len, context_len, block_table), tables padded to
+    WIDTH blocks (default: the widest needed)."""
+    row_index, counts, tables = [], [], []
+    for member in chains:
+        blocks = -(-member.context_len // block_size)
+        for i in range(member.query_len):
+            row_index.append(member.query_start + i)
+            counts.append(member.context_len - member.query_len + i + 1)
+            tables.append(member.block_table[:blocks])
+    width = width or max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return PagedRows(
+        torch.tensor(row_index, dtype=torch.int32, device=device),
+        torch.tensor(padded, dtype=torch.int32, device=device),
+        torch.tensor(counts, dtype=torch.int32, device=device),
+    )

@@ -100,7 +100,8 @@ class LeanDecoder:
         self.scaling = (scalar or self.head_dim) ** -0.5
         self.layers = [_layer_weights(config, layer, gemma) for layer in inner.layers]
         self.next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]  # after each layer
-        self.fuses = fused_ops_available() and all(_fusable(layer) for layer in self.layers)
+        on_cpu = inner.embed_tokens.weight.device.type == "cpu"  # the fused operators are CPU code, built on first use
+        self.fuses = on_cpu and fused_ops_available() and all(_fusable(layer) for layer in self.layers)
         if self.fuses:
             for layer, next_norm in zip(self.layers, self.next_norms):
                 layer.whole_layer_args = self._whole_layer_args(layer, next_norm)

@@ -20,9 +20,11 @@ from engine.model.attention_layout import (
     member_positions,
     needs_positions,
     padded_key_len,
+    paged_rows,
     query_mask,
     tree_paths,
 )
+from engine.model.cuda_graphs import CudaGraphs
 from engine.model.decoder import LeanDecoder, supports
 from engine.model.forward import ForwardBatch, ForwardItem, ForwardOutput
 from engine.model.paged_attention import (
@@ -33,6 +35,7 @@ from engine.model.paged_attention import (
     PagedKVPool,
     skips_masked_keys,
 )
+from engine.sampler import greedy_tokens
 
 # A long prefill chunk whose context is at least this long is read in place when its slots are contiguous, and so is
 # a short run (decoding, verifying drafts) when it is the step's only one. Short runs of several requests are gathered
@@ -41,6 +44,7 @@ from engine.model.paged_attention import (
 # block table's slot, so every sequence, short runs of several requests included, is read in place wherever its
 # blocks lie (all of a step's in one C++ call, no keys copied).
 IN_PLACE_MIN_CONTEXT = 256
+TRITON_MAX_QUERY_LEN = 64  # chains of at most this many new tokens go through the Triton kernel (backend triton)
 
 
 class PackedModelRunner:
@@ -60,10 +64,31 @@ class PackedModelRunner:
         self._hidden_hooks: set[int] = set()  # layers whose output a hook can keep (transformers' forward)
         self.decoder = LeanDecoder(model) if supports(model) else None  # else transformers' forward
         self.narrowest_window = _narrowest_window(self.decoder)
+        self.graphs: CudaGraphs | None = None  # captured by capture_graphs
         model.set_attn_implementation(ATTENTION_NAME)
+
+    def capture_graphs(self, spare_block: int, max_blocks: int, max_tokens: int) -> bool:
+        """Capture CUDA graphs of short-chain steps (engine/model/cuda_graphs.py) where they apply: on a GPU, with
+        the lean decoder and the triton backend. SPARE_BLOCK: a pool block no sequence owns (the padding rows' KV);
+        MAX_BLOCKS: the widest block table; MAX_TOKENS: the largest step captured. Returns whether it captured."""
+        if self.device.type != "cuda" or self.decoder is None or self.backend != "triton" or max_tokens < 1:
+            return False
+        self.graphs = CudaGraphs(self.decoder, self.pool, self.block_size, spare_block, max_blocks, self.device,
+                                 max_tokens, TRITON_MAX_QUERY_LEN)
+        self.graphs.capture()
+        return True
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> ForwardOutput:
+        packed, logits = self.forward_logits(batch)
+        return self._output(batch, packed, logits)
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: ForwardBatch) -> tuple[PackedBatch, torch.Tensor]:
+        """The forward itself: every item's logit rows, then its drafter rows, as [rows, vocab] on the device in the
+        model's dtype (the captures stay in the packed batch)."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            return PackedBatch(self.pool, self.block_size, self._tensor([])), self.graphs.forward_logits(batch)
         items = batch.items
         starts = _starts(items)
         members = [_member(item, start) for item, start in zip(items, starts)]
@@ -76,13 +101,11 @@ class PackedModelRunner:
         token_ids = self._tensor([t for item in items for t in item.token_ids])
         positions = self._tensor([p for item in items for p in item.positions])
         if self.decoder is not None:
-            logits = self.decoder(token_ids, positions, rows, packed)
-        else:
-            logits = self.model(
-                input_ids=token_ids[None], position_ids=positions[None], use_cache=False, logits_to_keep=rows,
-                packed_batch=packed,
-            ).logits[0]
-        return self._output(batch, packed, logits.float().cpu())
+            return packed, self.decoder(token_ids, positions, rows, packed)
+        return packed, self.model(
+            input_ids=token_ids[None], position_ids=positions[None], use_cache=False, logits_to_keep=rows,
+            packed_batch=packed,
+        ).logits[0]
 
     def move_kv(self, moves: list[tuple[int, int]]) -> None:
         """Copy KV between slots in every layer, in order: an accepted draft branch to its final positions."""
@@ -95,6 +118,11 @@ class PackedModelRunner:
         if self.backend == "flash" and chains:
             packed.flash = self._flash_metadata(chains)
             chains = []  # trees: SDPA, in the same step
+        if self.backend == "triton":
+            short = [m for m in chains if m.query_len <= TRITON_MAX_QUERY_LEN]
+            if short:
+                packed.paged_rows = paged_rows(short, self.block_size, self.device)
+            chains = [m for m in chains if m.query_len > TRITON_MAX_QUERY_LEN]  # prefill chunks: SDPA
         trees, gathered = self._lay_out_trees(items, members)
         sequences = chains + trees
         with_positions = needs_positions(members, self.narrowest_window)
@@ -203,13 +231,22 @@ class PackedModelRunner:
 
     # --- output ------------------------------------------------------------------------------
     def _output(self, batch: ForwardBatch, packed: PackedBatch, logits: torch.Tensor) -> ForwardOutput:
-        """logits [rows kept, vocab] -> per item its verifier rows, drafter rows, hidden states and attention rows."""
+        """logits [rows kept, vocab] on the device -> per item its verifier rows (or their argmax), drafter rows,
+        hidden states and attention rows."""
         out = ForwardOutput([], [], [], [])
-        logit_start = hidden_start = 0
+        host_logits, argmax = _to_host(batch, logits)
+        logit_start = argmax_start = hidden_start = 0
         for i, item in enumerate(batch.items):
             num_logits, num_drafter = len(item.logit_rows), len(item.drafter_rows)
-            out.logits.append(logits[logit_start:logit_start + num_logits])
-            drafter = logits[logit_start + num_logits:logit_start + num_logits + num_drafter]
+            if item.argmax_only:
+                out.logits.append(None)
+                out.argmax.append(argmax[argmax_start:argmax_start + num_logits])
+                argmax_start += num_logits
+                num_logits = 0
+            else:
+                out.logits.append(host_logits[logit_start:logit_start + num_logits])
+                out.argmax.append(None)
+            drafter = host_logits[logit_start + num_logits:logit_start + num_logits + num_drafter]
             out.drafter_logits.append(drafter if num_drafter else None)
             logit_start += num_logits + num_drafter
             hidden = packed.captured_hidden
@@ -235,6 +272,29 @@ class PackedModelRunner:
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _to_host(batch: ForwardBatch, logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """What of LOGITS [rows kept, vocab] the host needs: float32 logits of every row but the argmax-only items' logit
+    rows, and those rows' argmax, computed where the logits are (one transfer each)."""
+    if not any(item.argmax_only for item in batch.items):
+        return logits.float().cpu(), []
+    argmax_rows, host_rows, row = [], [], 0
+    for item in batch.items:
+        num_logits = len(item.logit_rows)
+        (argmax_rows if item.argmax_only else host_rows).extend(range(row, row + num_logits))
+        host_rows.extend(range(row + num_logits, row + num_logits + len(item.drafter_rows)))
+        row += num_logits + len(item.drafter_rows)
+    argmax = greedy_tokens(_rows(logits, argmax_rows)) if argmax_rows else []
+    host = _rows(logits, host_rows).float().cpu() if host_rows else logits.new_empty(0, 0).float()
+    return host, argmax
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """LOGITS' ROWS, the tensor itself (no copy) when they are all of its rows in order."""
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
 
 
 def _starts(items: list[ForwardItem]) -> list[int]:

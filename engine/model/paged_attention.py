@@ -12,6 +12,10 @@ AttentionInterface, so their model code stays transformers'. Backends, chosen at
   places it so) is attended on a view of the pool, nothing copied; otherwise gathered, in a call of its own. With the
   CPU row kernel every sequence is read in place at its block table's slots, wherever its blocks lie, short runs
   included (one C++ call per layer for all of them, engine/model/csrc/fused_ops.cpp `spans_attention`).
+- `triton` (CUDA with Triton, the default there): the short chains (decoding, verifying chains of drafts) through one
+  Triton kernel that reads each row's keys where they lie in the pool, through its block table
+  (engine/model/triton_attention.py): nothing gathered, fixed shapes for CUDA graphs. Trees and long prefill chunks
+  go through SDPA as above, in the same step.
 - `flash` (CUDA with flash-attn installed): one `flash_attn_varlen_func` call reads the pool through the block tables
   for the batch's chains; a tree in the same batch goes through SDPA. Imported lazily.
 Captures: the attention rows of chosen heads are recomputed here (softmax(q k^T * scale) under the sequence's mask),
@@ -24,6 +28,8 @@ sequence is not freed: it stays in the pool, and only attention skips it.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -37,6 +43,7 @@ from engine.model.attention_layout import (
     FlashMetadata,
     InPlaceSpan,
     MaskPositions,
+    PagedRows,
     windowed_mask,
 )
 from engine.model.cpu_kernels import row_attention_available
@@ -107,6 +114,7 @@ class PackedBatch:
     spans: list[InPlaceSpan] = field(default_factory=list)  # sdpa: sequences read in place
     span_table: tuple | None = None  # the spans' query starts and lengths and key slots (row kernel)
     flash: FlashMetadata | None = None  # flash: the chains
+    paged_rows: PagedRows | None = None  # triton: the short chains' rows (engine/model/triton_attention.py)
     capture_heads: dict[int, list[int]] = field(default_factory=dict)  # layer -> query heads whose rows are captured
     attention_captures: list[AttentionCapture] = field(default_factory=list)
     # (item, layer) -> [rows, heads, L]
@@ -345,6 +353,18 @@ def _flash(
     )
 
 
+def _triton(
+    packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float, out: torch.Tensor,
+    window: int | None = None,
+) -> None:
+    """Fills the short chains' rows through the Triton kernel, each read where its blocks lie."""
+    from engine.model.triton_attention import paged_rows_attention  # CUDA (or Triton's interpreter) only
+
+    pool = batch.pool
+    paged_rows_attention(packed_query, pool.layer_keys[layer], pool.layer_values[layer], batch.paged_rows, scaling,
+                         window, out, batch.block_size)
+
+
 def _capture_attention(
     packed_query: torch.Tensor, layer: int, batch: PackedBatch, scaling: float, window: int | None = None
 ) -> None:
@@ -393,6 +413,8 @@ def attend(
     out = torch.empty_like(query)
     if packed_batch.flash is not None:
         _flash(query, layer, packed_batch, scaling, out, sliding_window)
+    if packed_batch.paged_rows is not None:
+        _triton(query, layer, packed_batch, scaling, out, sliding_window)
     _sdpa(query, layer, packed_batch, scaling, out, sliding_window)
     _capture_attention(query, layer, packed_batch, scaling, sliding_window)
     return out
@@ -429,11 +451,24 @@ def flash_attn_available(device: torch.device) -> bool:
     return True
 
 
+def triton_available(device: torch.device) -> bool:
+    """Whether the Triton kernel runs on DEVICE: a CUDA device with Triton installed, or any device under Triton's
+    interpreter (TRITON_INTERPRET=1, how the CPU tests run it)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
 def resolve_attention_backend(backend: str, device: torch.device) -> str:
+    """AUTO: flash where flash-attn is installed, else triton on a CUDA device with Triton, else sdpa."""
     if backend == "auto":
-        return "flash" if flash_attn_available(device) else "sdpa"
+        if flash_attn_available(device):
+            return "flash"
+        return "triton" if device.type == "cuda" and triton_available(device) else "sdpa"
     if backend == "flash" and not flash_attn_available(device):
         raise RuntimeError("--attention-backend flash needs a CUDA device and the flash-attn package")
+    if backend == "triton" and not triton_available(device):
+        raise RuntimeError("--attention-backend triton needs a CUDA device and the triton package")
     return backend
 
 

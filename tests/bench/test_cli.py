@@ -7,7 +7,7 @@ from specserve import build_parser, main
 OWN_FLAGS = {  # a flag each benchmark has that the others need not
     "mt-redundant": "--peer-turns", "mt-bench": "--per-category", "humaneval": "--max-turns", "gsm8k": "--resume",
     "spec-bench": "--limit", "ngram": "--grid-limit", "spectra": "--grid-limit", "concurrency": "--warm-prompts",
-    "sessions": "--session-modes",
+    "sessions": "--session-modes", "roofline": "--graph-max-tokens",
     "step-profile": "--data-dir", "soak": "--soak-clients", "api": "--variants", "models": "--min-requests",
     "long-context": "--definition-tokens",
 }

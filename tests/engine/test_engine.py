@@ -140,26 +140,29 @@ def test_abort_frees_the_request(engines):
     assert engine.abort("gone") is None
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="exercises the CUDA path; needs a CUDA device")
-@pytest.mark.parametrize("backend, dtype", [("sdpa", "float32"), ("flash", "bfloat16")])
-def test_greedy_speculation_on_cuda_equals_plain_decoding(tiny_model_dir, backend, dtype):
-    if backend == "flash":
-        pytest.importorskip("flash_attn", reason="the flash backend needs the flash-attn package")
+def cuda_engine(tiny_model_dir, drafter, backend, dtype, graph_max_tokens=256):
     from engine.config import CacheConfig
     from scheduler.config import SchedulerConfig
 
-    def cuda_engine(drafter):
-        return Engine(EngineConfig(
-            model=ModelConfig(model=tiny_model_dir, device="cuda", dtype=dtype),
-            cache=CacheConfig(kv_cache_memory_gib=0.25, attention_backend=backend),
-            scheduler=SchedulerConfig(max_num_seqs=8, use_goodput_planner=False),  # verify every draft
-            spec=SpecConfig(drafter=drafter, copy_gamma=2),
-        ))
+    return Engine(EngineConfig(
+        model=ModelConfig(model=tiny_model_dir, device="cuda", dtype=dtype),
+        cache=CacheConfig(kv_cache_memory_gib=0.25, attention_backend=backend, cuda_graph_max_tokens=graph_max_tokens),
+        scheduler=SchedulerConfig(max_num_seqs=8, use_goodput_planner=False),  # verify every draft
+        spec=SpecConfig(drafter=drafter, copy_gamma=2),
+    ))
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="exercises the CUDA path; needs a CUDA device")
+@pytest.mark.parametrize("backend, dtype", [("sdpa", "float32"), ("triton", "float32"), ("triton", "bfloat16"),
+                                            ("flash", "bfloat16")])
+def test_greedy_speculation_on_cuda_equals_plain_decoding(tiny_model_dir, backend, dtype):
+    if backend == "flash":
+        pytest.importorskip("flash_attn", reason="the flash backend needs the flash-attn package")
     batch = prompts(8, seed=5)
     params = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)] * len(batch)
-    plain, speculative = cuda_engine("none"), cuda_engine("copyspec")
+    plain, speculative = (cuda_engine(tiny_model_dir, d, backend, dtype) for d in ("none", "copyspec"))
+    assert (plain.runner.graphs is not None) == (backend == "triton"), "triton captures CUDA graphs; the others not"
     reference = run_to_completion(plain, batch, params)
     outputs = run_to_completion(speculative, batch, params)
     assert sum(o.spec.num_draft_tokens for o in outputs.values()) > 0, "the test must exercise speculation"
@@ -170,6 +173,23 @@ def test_greedy_speculation_on_cuda_equals_plain_decoding(tiny_model_dir, backen
         assert engine.scheduler.blocks.usage == 0, (
             "no request holds blocks once all finished (sessions may keep theirs)"
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="exercises the CUDA path; needs a CUDA device")
+@pytest.mark.parametrize("drafter", ["none", "copyspec"])
+def test_cuda_graphs_leave_greedy_output_unchanged(tiny_model_dir, drafter):
+    batch = prompts(8, seed=9)
+    params = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)] * len(batch)
+    graphed, eager = (cuda_engine(tiny_model_dir, drafter, "triton", "float32", n) for n in (256, 0))
+    assert graphed.runner.graphs is not None and eager.runner.graphs is None
+    replays = []
+    original = graphed.runner.graphs.forward_logits
+    graphed.runner.graphs.forward_logits = lambda b: replays.append(1) or original(b)
+    with_graphs, without = run_to_completion(graphed, batch, params), run_to_completion(eager, batch, params)
+    assert len(replays) > 10, "decoding steps must replay graphs"
+    for i in range(len(batch)):
+        assert with_graphs[f"req-{i}"].new_token_ids == without[f"req-{i}"].new_token_ids, i
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,6 @@ from engine.verifier import verify_greedy, verify_sampled
 VOCAB = 6
 
 
-def logits_for(argmax_rows):
-    """[len, VOCAB] logits with a clear winner per row: row 0 at the last token, row 1 + j at draft node j."""
-    logits = torch.zeros(len(argmax_rows), VOCAB)
-    for i, winner in enumerate(argmax_rows):
-        logits[i, winner] = 5.0
-    return logits
-
-
 # Trees as (draft tokens, parents); argmax per row (root first); expected tokens and accepted nodes.
 @pytest.mark.parametrize(
     "tokens, parents, argmax_rows, expected_tokens, expected_nodes",
@@ -35,7 +27,7 @@ def logits_for(argmax_rows):
     ids=["no-draft", "chain-all", "chain-reject", "second-branch", "deep-branch", "none", "second-child"],
 )
 def test_greedy_walks_the_tree(tokens, parents, argmax_rows, expected_tokens, expected_nodes):
-    result = verify_greedy(logits_for(argmax_rows), tokens, parents)
+    result = verify_greedy(argmax_rows, tokens, parents)
     assert (result.token_ids, result.accepted_nodes) == (expected_tokens, expected_nodes)
 
 
@@ -117,7 +109,7 @@ def test_the_residual_rule_emits_every_token_with_the_target_probability():
 
 
 def test_a_large_vocabularys_argmax_in_two_stages_is_the_first_largest_logit():
-    from engine.verifier import greedy_tokens
+    from engine.sampler import greedy_tokens
 
     logits = torch.randn(5, 262144, generator=torch.Generator().manual_seed(0))
     logits[1, 1000] = logits[1, 200_000] = 99.0  # a tie across slices: the first index wins

