@@ -35,6 +35,7 @@ roofline)
     timeout "${TESTS_SECONDS:-150}" python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine.py::test_cuda_graphs_leave_greedy_output_unchanged \
         tests/engine/test_engine.py::test_greedy_speculation_on_cuda_equals_plain_decoding \
         tests/engine/model/test_triton_attention.py tests/engine/model/test_cuda_graphs.py \
+        tests/engine/model/test_triton_ops.py \
         tests/engine/model/test_packed_runner.py::test_flash_backend_matches_sdpa_on_cuda_with_a_tree_in_the_batch \
         2>&1 | tee "$out/gpu-tests.log" | tail -12
     timeout "${ROOFLINE_SECONDS:-300}" python3 -m specserve bench roofline --device cuda --sizes 8b,1b \

@@ -6,7 +6,7 @@ GPU) are built on the device, so nothing is downloaded. For each batch size B (1
 cached positions and the step is specserve's packed forward (engine/model/packed_runner.py: on a GPU the triton
 backend over the paged pool, replaying CUDA graphs where a step fits them, engine/model/cuda_graphs.py) as the engine
 runs it: the layout from the forward items, the forward, each logit row's argmax on the
-device and the ids back on the host (greedy requests verify from those, `ForwardItem.argmax_only`). Measured:
+device and the ids back on the host (greedy requests verify from those, `ForwardItem.choice`). Measured:
 - `step_seconds`: that step with one new token per request (plain decoding), against `bound_seconds`, the bytes the
   step must read (every weight the step multiplies by once, the input embedding's rows aside, and every request's KV)
   over the device's copy bandwidth measured here (a large device-to-device copy, bytes read plus written);
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model.forward import ForwardBatch, chain_item
+from engine.model.forward import ForwardBatch, RowChoice, chain_item
 from engine.model.packed_runner import PackedModelRunner
 from engine.model.paged_attention import PagedKVPool, kv_shape, resolve_attention_backend
 
@@ -129,6 +129,8 @@ class StepBench:
         self.vocab = model.config.vocab_size
 
     def batch(self, batch_size: int, new_tokens: int, argmax_only: bool = True) -> ForwardBatch:
+        """B chain items of NEW_TOKENS after CONTEXT cached positions, every row's logits asked for (only their
+        argmax on the host where ARGMAX_ONLY)."""
         generator = torch.Generator().manual_seed(batch_size * 1000 + new_tokens)
         items = []
         for request in range(batch_size):
@@ -136,7 +138,7 @@ class StepBench:
             table = list(range(first, first + self.blocks_per_request))
             tokens = torch.randint(self.vocab, (new_tokens,), generator=generator).tolist()
             item = chain_item(tokens, CONTEXT, table, BLOCK_SIZE, num_logits=new_tokens)
-            item.argmax_only = argmax_only
+            item.choice = RowChoice() if argmax_only else None
             items.append(item)
         return ForwardBatch(items)
 

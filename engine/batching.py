@@ -10,7 +10,7 @@ import torch
 
 from drafters.base import CaptureSpec, Computed
 from drafters.tree import ROOT
-from engine.model.forward import ForwardBatch, ForwardItem, ForwardOutput, tree_item
+from engine.model.forward import ForwardBatch, ForwardItem, ForwardOutput, RowChoice, tree_item
 from scheduler.records import ScheduledRequest, Verification
 
 
@@ -31,7 +31,8 @@ def forward_item(item: ScheduledRequest, block_size: int, capture: CaptureSpec) 
     forward = tree_item(token_ids, parents, item.num_computed, item.block_table, block_size, logit_rows)
     forward.drafter_rows = drafter_rows
     sampling = item.req.sampling
-    forward.argmax_only = sampling.greedy and not sampling.processes_logits and sampling.logprobs is None
+    if sampling.greedy and not sampling.processes_logits and sampling.logprobs is None:
+        forward.choice = RowChoice()  # greedy: the runner sends the rows' argmax
     if capture.hidden_layer is not None:
         forward.hidden_rows = list(range(n))  # the look-ahead rows' are nobody's
     if capture.attention_heads:

@@ -7,19 +7,20 @@ import torch
 
 from drafters.base import Draft
 from drafters.registry import build_drafter
+from drafters.tree import depths
 from engine.batching import forward_batch
 from engine.config import CacheConfig, EngineConfig
 from engine.drafter_context import drafter_context
 from engine.grammar import GrammarError, Grammars
 from engine.model.draft_model import DraftForward, DraftModel, Reserve, draft_pool, load_draft_model, reserve_nothing
-from engine.model.forward import ForwardBatch, ForwardOutput
+from engine.model.forward import ForwardBatch, ForwardOutput, RowChoice
 from engine.model.model_loader import LoadedModel, load_model
 from engine.model.packed_runner import PackedModelRunner
 from engine.model.paged_attention import FLASH_BLOCK_SIZE, PagedKVPool, kv_shape, resolve_attention_backend
 from engine.model.profiler import profile_forward_latency, profile_path_seconds
 from engine.model.tokenizer import load_tokenizer
 from engine.speculation import Speculation
-from engine.verifier import Verifier, verify_greedy
+from engine.verifier import Verifier
 from engine.wire import EngineError, EngineOutputs, EngineReady, EngineRequest, RequestOutput, StepStats, TokenLogprob
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.latency import LatencyModel
@@ -189,7 +190,21 @@ class Engine:
     def _execute(self, sched_out: SchedulerOutput) -> tuple[ForwardBatch, ForwardOutput | None]:
         self.speculation.preempt(sched_out.preempted)
         batch = forward_batch(sched_out.scheduled, self.runner.block_size, self.speculation.captures)
+        if self.runner.samples_on_device:
+            self._sample_on_device(sched_out.scheduled, batch)
         return batch, (self.runner.execute(batch) if batch.items else None)
+
+    def _sample_on_device(self, scheduled: list[ScheduledRequest], batch: ForwardBatch) -> None:
+        """Sampled requests that process no logits, ask for no log-probabilities and verify no model draft get their
+        rows' samples drawn where the logits are: each row at its depth's uniform."""
+        for item, forward in zip(scheduled, batch.items):
+            params = item.req.sampling
+            if (forward.choice is not None or params.greedy or params.processes_logits or params.logprobs is not None
+                    or not forward.logit_rows or self._draft_probs(item) is not None):
+                continue
+            uniforms = self.verifier.uniforms(item.req, item.draft_parents)
+            forward.choice = RowChoice(params.temperature, params.top_k, params.top_p,
+                                       [uniforms[0]] + [uniforms[depth] for depth in depths(item.draft_parents)])
 
     def _verify(
         self, scheduled: list[ScheduledRequest], model_out: ForwardOutput | None,
@@ -200,9 +215,9 @@ class Engine:
             if not item.num_logits:
                 results.append(Verification([]))
                 continue
-            argmax = model_out.argmax[index]
-            if argmax is not None:  # greedy, nothing processed: the runner sent the target's tokens only
-                results.append(verify_greedy(argmax, item.draft_token_ids, item.draft_parents))
+            chosen = model_out.chosen[index]
+            if chosen is not None:  # nothing processed: the runner sent the target's token at each row only
+                results.append(self.verifier.verify_chosen(item.req, chosen, item.draft_token_ids, item.draft_parents))
                 continue
             result, request_logprobs = self.verifier.verify(
                 item.req, model_out.logits[index], item.draft_token_ids, item.draft_parents, self._draft_probs(item),

@@ -15,16 +15,19 @@ ARGMAX_SLICES = 512  # a large vocabulary's argmax in two stages: the largest lo
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    return greedy_token_tensor(logits).tolist()
+
+
+def greedy_token_tensor(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax: the first index of its largest logit. Over a vocabulary of many slices (Gemma's 262,144 =
     512 x 512) it runs in two stages, each slice's largest logit and then the first slice holding the row's largest,
     which gives the same index in a quarter of one argmax's time on the CPU."""
     rows, vocab = logits.shape
     if vocab % ARGMAX_SLICES or vocab < ARGMAX_SLICES * ARGMAX_SLICES:
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1)
     values, within = logits.view(rows, ARGMAX_SLICES, -1).max(dim=-1)  # per slice: largest, its first index
     first_slice = values.argmax(dim=-1)  # the first slice holding the row's largest logit
-    index = first_slice * (vocab // ARGMAX_SLICES) + within.gather(1, first_slice[:, None])[:, 0]
-    return index.tolist()
+    return first_slice * (vocab // ARGMAX_SLICES) + within.gather(1, first_slice[:, None])[:, 0]
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -52,9 +55,14 @@ def inverse_cdf_samples(probs: torch.Tensor, uniforms: list[float]) -> list[int]
 
     The first token whose cumulative mass reaches u * total: a token of zero mass never is.
     """
+    return inverse_cdf_tensor(probs, uniforms).tolist()
+
+
+def inverse_cdf_tensor(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    """`inverse_cdf_samples` as a tensor on PROBS' device."""
     cdf = probs[:len(uniforms)].double().cumsum(dim=-1)  # [n, vocab]
-    targets = torch.tensor(uniforms, dtype=torch.float64)[:, None] * cdf[:, -1:]  # [n, 1]
-    return torch.searchsorted(cdf, targets).clamp(max=probs.shape[-1] - 1)[:, 0].tolist()
+    targets = torch.tensor(uniforms, dtype=torch.float64, device=probs.device)[:, None] * cdf[:, -1:]  # [n, 1]
+    return torch.searchsorted(cdf, targets).clamp(max=probs.shape[-1] - 1)[:, 0]
 
 
 class UniformStream:

@@ -166,6 +166,22 @@ class Verifier:
         self._accept_streams[req.request_id].advance(len(result.token_ids))
         return result, logprobs
 
+    def uniforms(self, req: Request, draft_parents: list[int]) -> list[float]:
+        """A sampled request's uniforms of its next positions, one per depth of its draft tree (drawn once: `verify`
+        and `verify_chosen` use the same ones)."""
+        stream = self._stream(self._streams, req.request_id, req.sampling.seed)
+        return stream.next(max(depths(draft_parents), default=0) + 1)
+
+    def verify_chosen(
+        self, req: Request, tokens: list[int], draft_token_ids: list[int], draft_parents: list[int],
+    ) -> Verification:
+        """The walk over the tokens the runner chose at each logits row (`RowChoice`: the argmax, or the inverse CDF
+        of p at the row's depth's uniform, exactly what `verify` computes row by row)."""
+        result = walk_tree(lambda row, depth: tokens[row], draft_token_ids, draft_parents)
+        if not req.sampling.greedy:
+            self._streams[req.request_id].advance(len(result.token_ids))
+        return result
+
     @staticmethod
     def _verify_plain(
         logits: torch.Tensor, draft_token_ids: list[int], draft_parents: list[int], params: SamplingParams,

@@ -320,27 +320,69 @@ def contiguous_first_slot(block_table: list[int], num_keys: int, block_size: int
 
 @dataclass
 class PagedRows:
-    """The rows of a packed batch this kernel attends: their packed indices, block tables and key counts."""
+    """The rows of a packed batch the Triton kernel attends (engine/model/triton_attention.py), per row: its packed
+    index, its sequence's block table, the sequence's cached entries (all visible, within the layer's window), which of
+    the step's new entries it sees (a bit per new row: its tree ancestors and itself; a chain's rows up to itself),
+    where those end, and its position (the window counts back from it)."""
 
     row_index: torch.Tensor  # [n] int32 packed row of each
     block_tables: torch.Tensor  # [n, width] int32 its sequence's blocks, padded
-    key_counts: torch.Tensor  # [n] int32 KV entries it sees: 0 .. count - 1 of its block table
+    num_cached: torch.Tensor  # [n] int32 the sequence's entries before the step's new ones
+    key_end: torch.Tensor  # [n] int32 one past the last entry it sees
+    ancestors: torch.Tensor  # [n] int64 bit j: it sees the step's new entry num_cached + j
+    positions: torch.Tensor  # [n] int32 its position
 
 
-def paged_rows(chains: list, block_size: int, device: torch.device, width: int | None = None) -> PagedRows:
-    """The PagedRows of CHAINS (GroupMember-like: query_start, query_len, context_len, block_table), tables padded to
-    WIDTH blocks (default: the widest needed)."""
-    row_index, counts, tables = [], [], []
-    for member in chains:
-        blocks = -(-member.context_len // block_size)
-        for i in range(member.query_len):
-            row_index.append(member.query_start + i)
-            counts.append(member.context_len - member.query_len + i + 1)
-            tables.append(member.block_table[:blocks])
-    width = width or max(len(t) for t in tables)
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    return PagedRows(
-        torch.tensor(row_index, dtype=torch.int32, device=device),
-        torch.tensor(padded, dtype=torch.int32, device=device),
-        torch.tensor(counts, dtype=torch.int32, device=device),
-    )
+MAX_PAGED_ROWS_QUERY_LEN = 64  # new rows a sequence may bring to the kernel: one bit each in a 64-bit mask
+
+
+@dataclass
+class RowTable:
+    """PagedRows' columns as lists, before they become tensors (engine/model/cuda_graphs.py fills its own)."""
+
+    row_index: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    num_cached: list[int] = field(default_factory=list)
+    key_end: list[int] = field(default_factory=list)
+    ancestors: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+
+    def add(self, query_start: int, item, block_size: int) -> None:
+        """The rows of forward ITEM (engine/model/forward.py), a chain or a tree of at most MAX_PAGED_ROWS_QUERY_LEN
+        new tokens, whose first row is packed row QUERY_START."""
+        table = item.block_table[:-(-item.context_len // block_size)]
+        masks = ancestor_masks(item.parents, item.num_tokens)
+        for row, mask in enumerate(masks):
+            self.row_index.append(query_start + row)
+            self.tables.append(table)
+            self.num_cached.append(item.num_cached)
+            self.key_end.append(item.num_cached + mask.bit_length())
+            self.ancestors.append(mask - (1 << 64) if mask >= 1 << 63 else mask)  # as a signed 64-bit integer
+            self.positions.append(item.positions[row])
+
+    def tensors(self, device: torch.device, width: int | None = None, pad_block: int = 0) -> PagedRows:
+        width = width or max(len(t) for t in self.tables)
+        padded = [t + [pad_block] * (width - len(t)) for t in self.tables]
+
+        def int32(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        return PagedRows(int32(self.row_index), int32(padded), int32(self.num_cached), int32(self.key_end),
+                         torch.tensor(self.ancestors, dtype=torch.int64, device=device), int32(self.positions))
+
+
+def ancestor_masks(parents: list[int] | None, num_tokens: int) -> list[int]:
+    """Per new token, the bits of the new tokens it sees: its ancestors and itself (PARENTS None: a causal chain)."""
+    masks: list[int] = []
+    for i in range(num_tokens):
+        parent = i - 1 if parents is None else parents[i]
+        masks.append((masks[parent] if parent >= 0 else 0) | (1 << i))
+    return masks
+
+
+def paged_rows(entries: list[tuple[int, object]], block_size: int, device: torch.device) -> PagedRows:
+    """The PagedRows of ENTRIES, (packed row of its first token, forward item) each."""
+    rows = RowTable()
+    for query_start, item in entries:
+        rows.add(query_start, item, block_size)
+    return rows.tensors(device)

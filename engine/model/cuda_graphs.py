@@ -3,23 +3,26 @@
 On a GPU a decoding step of a small or mid-sized model is bound by launching its kernels from Python (hundreds per
 step), not by the GPU. At start-up the runner captures one graph per padded token count of a ladder (GRAPH_TOKEN_COUNTS
 up to --cuda-graph-max-tokens), the largest first, all in one memory pool. A step whose items are all causal chains of
-at most TRITON_MAX_QUERY_LEN new tokens, asking for no captures and no look-ahead rows, whose token count fits the
-ladder, copies its tokens, positions, slots, block tables and key counts into the graphs' static buffers and replays
-the smallest graph that holds it; its attention is the Triton kernel (engine/model/triton_attention.py), whose shapes
-are fixed once the rows' count and the block tables' width are. Rows past the step's own are padding: token 0 at
-position 0, its KV written to a spare block no sequence owns, attending to that one entry. Every other step (prefill
-chunks, trees, captures) runs eagerly. A graph computes the logits of every row; the step keeps those it asked for.
+at most TRITON_MAX_QUERY_LEN new tokens or trees that short (whatever the Triton kernel attends,
+`PackedModelRunner.paged_rows_fit`), asking for no hidden-state or attention captures, whose token count fits the
+ladder, copies its tokens, positions, slots and rows' attention metadata (block tables, cached counts, ancestor bits)
+into the graphs' static buffers and replays the smallest graph that holds it; its attention is the Triton kernel
+(engine/model/triton_attention.py), whose shapes are fixed once the rows' count and the block tables' width are. Rows
+past the step's own are padding: token 0 at position 0, its KV written to a spare block no sequence owns, attending
+to that one entry. Every other step (prefill chunks, captures) runs eagerly. A graph computes the logits of every
+row; the step keeps those it asked for (verifier rows, then look-ahead rows, item by item).
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
-from engine.model.attention_layout import PagedRows
-from engine.model.forward import ForwardBatch
+from engine.model.attention_layout import PagedRows, RowTable
+from engine.model.forward import ForwardBatch, ForwardItem
 from engine.model.paged_attention import PackedBatch, PagedKVPool
 
 logger = logging.getLogger(__name__)
@@ -36,11 +39,11 @@ class CudaGraphs:
 
     def __init__(
         self, decoder, pool: PagedKVPool, block_size: int, spare_block: int, max_blocks: int,
-        device: torch.device, max_tokens: int, max_query_len: int,
+        device: torch.device, max_tokens: int, kernel_attends: Callable[[ForwardItem], bool],
     ) -> None:
         self.decoder, self.pool, self.block_size = decoder, pool, block_size
-        self.spare_slot = spare_block * block_size
-        self.max_blocks, self.max_query_len = max_blocks, max_query_len
+        self.spare_block, self.spare_slot = spare_block, spare_block * block_size
+        self.max_blocks, self.kernel_attends = max_blocks, kernel_attends
         self.sizes = [size for size in GRAPH_TOKEN_COUNTS if size <= max_tokens]
         n = self.sizes[-1]
         self.token_ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -48,7 +51,10 @@ class CudaGraphs:
         self.slots = torch.full((n,), self.spare_slot, dtype=torch.long, device=device)
         self.row_index = torch.arange(n, dtype=torch.int32, device=device)
         self.tables = torch.full((n, max_blocks), spare_block, dtype=torch.int32, device=device)
-        self.counts = torch.ones(n, dtype=torch.int32, device=device)
+        self.num_cached = torch.zeros(n, dtype=torch.int32, device=device)
+        self.key_end = torch.ones(n, dtype=torch.int32, device=device)
+        self.ancestors = torch.ones(n, dtype=torch.int64, device=device)
+        self.row_positions = torch.zeros(n, dtype=torch.int32, device=device)
         self.rows = torch.arange(n, dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # size -> (graph, its logits)
 
@@ -79,15 +85,15 @@ class CudaGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         packed = PackedBatch(self.pool, self.block_size, self.slots[:size])
-        packed.paged_rows = PagedRows(self.row_index[:size], self.tables[:size], self.counts[:size])
+        packed.paged_rows = PagedRows(self.row_index[:size], self.tables[:size], self.num_cached[:size],
+                                      self.key_end[:size], self.ancestors[:size], self.row_positions[:size])
         return self.decoder(self.token_ids[:size], self.positions[:size], self.rows[:size], packed)
 
     def fits(self, batch: ForwardBatch) -> bool:
-        """Whether a captured graph computes BATCH: short chains only, no captures or look-ahead rows, and its tokens
-        and block tables within the graphs' buffers."""
+        """Whether a captured graph computes BATCH: items the Triton kernel attends, no captures, and its tokens and
+        block tables within the graphs' buffers."""
         return bool(self.graphs) and sum(item.num_tokens for item in batch.items) <= self.sizes[-1] and all(
-            item.is_chain and item.num_tokens <= self.max_query_len and not item.drafter_rows
-            and not item.hidden_rows and not item.attention_rows
+            self.kernel_attends(item) and not item.hidden_rows and not item.attention_rows
             and -(-item.context_len // self.block_size) <= self.max_blocks
             for item in batch.items
         )
@@ -101,28 +107,29 @@ class CudaGraphs:
         graph.replay()
         rows, start = [], 0
         for item in batch.items:
-            rows += [start + row for row in item.logit_rows]
+            rows += [start + row for row in item.logit_rows + item.drafter_rows]
             start += item.num_tokens
         return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
 
     def _fill(self, batch: ForwardBatch, total: int, size: int) -> None:
-        """Copy BATCH's rows into the static buffers, padding rows after them up to SIZE."""
+        """Copy BATCH's rows into the static buffers, padding rows after them up to SIZE (each sees the spare block's
+        first entry only)."""
         padding = size - total
         token_ids = [t for item in batch.items for t in item.token_ids] + [0] * padding
         positions = [p for item in batch.items for p in item.positions] + [0] * padding
         slots = [s for item in batch.items for s in item.slots] + [self.spare_slot] * padding
-        counts, tables = [], []
+        rows, start = RowTable(), 0
         for item in batch.items:
-            table = item.block_table[:-(-item.context_len // self.block_size)]
-            for row in range(item.num_tokens):
-                counts.append(item.num_cached + row + 1)
-                tables.append(table)
-        counts += [1] * padding
-        width = max(len(table) for table in tables)
-        spare = self.spare_slot // self.block_size
-        tables = [table + [spare] * (width - len(table)) for table in tables] + [[spare] * width] * padding
+            rows.add(start, item, self.block_size)
+            start += item.num_tokens
+        width = max(len(table) for table in rows.tables)
+        tables = [table + [self.spare_block] * (width - len(table)) for table in rows.tables]
+        tables += [[self.spare_block] * width] * padding
         self.token_ids[:size].copy_(torch.tensor(token_ids))
         self.positions[:size].copy_(torch.tensor(positions))
         self.slots[:size].copy_(torch.tensor(slots))
-        self.counts[:size].copy_(torch.tensor(counts, dtype=torch.int32))
         self.tables[:size, :width].copy_(torch.tensor(tables, dtype=torch.int32))
+        self.num_cached[:size].copy_(torch.tensor(rows.num_cached + [0] * padding, dtype=torch.int32))
+        self.key_end[:size].copy_(torch.tensor(rows.key_end + [1] * padding, dtype=torch.int32))
+        self.ancestors[:size].copy_(torch.tensor(rows.ancestors + [1] * padding, dtype=torch.int64))
+        self.row_positions[:size].copy_(torch.tensor(rows.positions + [0] * padding, dtype=torch.int32))

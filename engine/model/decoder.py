@@ -24,8 +24,9 @@ where torch takes some thirty small operators, each costing more in dispatch tha
 computes every row alone (batch invariance holds); the norms and activations round differently from torch's in the
 last bits (tests/engine/model/test_decoder.py bounds it), the rotary embedding and the residual add do not. Where the
 projections are GGUF blocks and every row is attended in place (decoding, verifying), the whole layer is one C++ call
-(engine/model/csrc/decoder_layer.cpp), the same kernels in the same order without Python between them. Elsewhere
-(CUDA, bfloat16 activations, no C++ compiler, SPECSERVE_CPU_ISA=none) the layers run as torch operators.
+(engine/model/csrc/decoder_layer.cpp), the same kernels in the same order without Python between them. On a GPU the
+same four fused calls are Triton kernels (engine/model/triton_ops.py), in the model's dtype. Elsewhere (bfloat16 on
+the CPU, no C++ compiler, SPECSERVE_CPU_ISA=none, no Triton) the layers run as torch operators.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 
 from engine.model.block_linear import BlockLinear
 from engine.model.cpu_kernels import fused_ops_available
-from engine.model.paged_attention import PackedBatch, attend, in_place_spans, paged_attention
+from engine.model.paged_attention import PackedBatch, attend, in_place_spans, paged_attention, triton_available
 from engine.model.weights import ConcatenatedLinear, fuse_linears
 
 LLAMA_FORM = {"llama", "qwen2", "mistral"}  # model_type of configs whose decoder layer is exactly the Llama form
@@ -100,9 +101,9 @@ class LeanDecoder:
         self.scaling = (scalar or self.head_dim) ** -0.5
         self.layers = [_layer_weights(config, layer, gemma) for layer in inner.layers]
         self.next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]  # after each layer
-        on_cpu = inner.embed_tokens.weight.device.type == "cpu"  # the fused operators are CPU code, built on first use
-        self.fuses = on_cpu and fused_ops_available() and all(_fusable(layer) for layer in self.layers)
-        if self.fuses:
+        self.ops = _fused_ops(inner.embed_tokens.weight.device) if all(_fusable(x) for x in self.layers) else None
+        self.fuses = self.ops is not None
+        if self.ops is not None and self.ops is torch.ops.specserve:
             for layer, next_norm in zip(self.layers, self.next_norms):
                 layer.whole_layer_args = self._whole_layer_args(layer, next_norm)
 
@@ -112,7 +113,7 @@ class LeanDecoder:
         """input_ids, position_ids [total]; rows [n] packed rows whose logits return -> [n, vocab]."""
         hidden = self.embed(input_ids)  # [total, hidden]
         rotations = {kind: self._rotation(hidden, position_ids, kind) for kind in {x.rotary_type for x in self.layers}}
-        if self.fuses and hidden.dtype == packed.pool.keys.dtype == torch.float32 and hidden.device.type == "cpu":
+        if self.fuses and (hidden.device.type != "cpu" or hidden.dtype == packed.pool.keys.dtype == torch.float32):
             logits = self.lm_head(self._fused_layers(hidden, rotations, packed)[rows])
             return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
         for layer in self.layers:
@@ -134,7 +135,7 @@ class LeanDecoder:
         layer's output -> that output final-normed. Each layer returns its output normed by the next layer's input
         norm (the final norm after the last), the residual add and the norm one call."""
         first = self.layers[0].input_norm
-        normed = torch.ops.specserve.rms_norm(hidden, first.weight, first.eps)
+        normed = self.ops.rms_norm(hidden, first.weight, first.eps)
         pool, whole_layer = packed.pool, torch.ops.specserve.decoder_layer
         for layer, next_norm in zip(self.layers, self.next_norms):
             spans = in_place_spans(packed, layer.sliding_window, hidden.shape[0]) if layer.whole_layer_args else None
@@ -154,7 +155,7 @@ class LeanDecoder:
     ) -> torch.Tensor:
         """One layer as `_layer` computes it, on NORMED (its input norm of HIDDEN); HIDDEN becomes its output, in
         place -> that output normed by NEXT_NORM."""
-        ops, pool, query_norm, key_norm = torch.ops.specserve, packed.pool, layer.query_norm, layer.key_norm
+        ops, pool, query_norm, key_norm = self.ops, packed.pool, layer.query_norm, layer.key_norm
         query = ops.rope_write(
             layer.qkv(normed), cos, sin, self.num_heads, self.num_kv_heads, _weight(query_norm), _weight(key_norm),
             _eps(query_norm), pool.layer_keys[layer.index], pool.layer_values[layer.index], packed.write_slots,
@@ -227,6 +228,18 @@ def _block_parts(linear: torch.nn.Module) -> list[BlockLinear] | None:
     """LINEAR's GGUF-block parts, whose outputs side by side are its output; None if it is another kind."""
     parts = list(linear.parts) if isinstance(linear, ConcatenatedLinear) else [linear]
     return parts if all(isinstance(part, BlockLinear) for part in parts) else None
+
+
+def _fused_ops(device: torch.device):
+    """The fused operators on DEVICE: the CPU's C++ ones (built on first use) or a GPU's Triton ones
+    (engine/model/triton_ops.py); None where neither runs (no compiler, SPECSERVE_CPU_ISA=none, no Triton)."""
+    if device.type == "cpu":
+        return torch.ops.specserve if fused_ops_available() else None
+    if not triton_available(device):
+        return None
+    from engine.model import triton_ops  # GPU only: imports Triton
+
+    return triton_ops
 
 
 def _fusable(layer: LayerWeights) -> bool:

@@ -7,8 +7,9 @@ is num_cached + its row, so a tree's nodes lie in list order after the cached co
 position id is its depth's. After verification the engine moves the accepted branch's KV to the slots of its final
 positions (`ModelRunner.move_kv`), as the scheduler says.
 
-Rows of an item return, on request: logits for the verifier (`logit_rows`; only their argmax where the verifier needs
-no more, `argmax_only`, so a GPU sends a few ids to the host instead of full-vocabulary rows), logits for a drafter
+Rows of an item return, on request: logits for the verifier (`logit_rows`; or only the target's token at each, chosen
+where the logits are, when the verifier needs no more: `choice`, so a GPU sends a few ids to the host instead of
+full-vocabulary rows), logits for a drafter
 (`drafter_rows`: look-ahead tokens, whose KV is scratch), the hidden state after the batch's capture layer
 (`hidden_rows`), and the attention of the capture heads over the whole context (`attention_rows`).
 """
@@ -37,9 +38,7 @@ class ForwardItem:
     drafter_rows: list[int] = field(default_factory=list)  # rows whose logits go to a drafter (look-ahead tokens)
     hidden_rows: list[int] = field(default_factory=list)  # rows whose hidden state at the capture layer is returned
     attention_rows: list[int] = field(default_factory=list)  # rows whose attention of the capture heads is returned
-    # the verifier needs only each logit row's argmax (a greedy request that processes no logits and asks for no
-    # log-probabilities): the runner returns those ids, computed where the logits are, and no logits
-    argmax_only: bool = False
+    choice: RowChoice | None = None  # the runner returns each logit row's chosen token instead of its logits
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +55,22 @@ class ForwardItem:
 
 
 @dataclass
+class RowChoice:
+    """The target's token at each logit row of an item, for a request that processes no logits and asks for no
+    log-probabilities: the argmax (greedy: temperature 0), or the inverse CDF of p (temperature, then top-k, then
+    top-p; engine/sampler.py) at the row's uniform, the uniform of its depth in the draft tree (engine/verifier.py)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    uniforms: list[float] = field(default_factory=list)  # [len(logit_rows)] when sampled
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
 class ForwardBatch:
     items: list[ForwardItem]
     capture: CaptureSpec = field(default_factory=CaptureSpec)
@@ -63,11 +78,11 @@ class ForwardBatch:
 
 @dataclass
 class ForwardOutput:
-    logits: list[torch.Tensor | None]  # per item [len(logit_rows), vocab] float32 on the CPU; None when argmax_only
+    logits: list[torch.Tensor | None]  # per item [len(logit_rows), vocab] float32 on the CPU; None with a choice
     drafter_logits: list[torch.Tensor | None]  # per item [len(drafter_rows), vocab] float32, or None when no row asked
     hidden: list[torch.Tensor | None]  # per item [len(hidden_rows), hidden_size], or None
     attention: list[torch.Tensor | None]  # per item [len(attention_rows), num capture heads, context_len], or None
-    argmax: list[list[int] | None] = field(default_factory=list)  # per item its logit rows' argmax when argmax_only
+    chosen: list[list[int] | None] = field(default_factory=list)  # per item its logit rows' chosen tokens, if asked
 
 
 def slots_of(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:

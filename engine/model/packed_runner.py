@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.model.attention_layout import (
+    MAX_PAGED_ROWS_QUERY_LEN,
     FlashMetadata,
     GroupMember,
     MaskPositions,
@@ -35,7 +36,7 @@ from engine.model.paged_attention import (
     PagedKVPool,
     skips_masked_keys,
 )
-from engine.sampler import greedy_tokens
+from engine.sampler import greedy_token_tensor, inverse_cdf_tensor, target_probs
 
 # A long prefill chunk whose context is at least this long is read in place when its slots are contiguous, and so is
 # a short run (decoding, verifying drafts) when it is the step's only one. Short runs of several requests are gathered
@@ -44,7 +45,7 @@ from engine.sampler import greedy_tokens
 # block table's slot, so every sequence, short runs of several requests included, is read in place wherever its
 # blocks lie (all of a step's in one C++ call, no keys copied).
 IN_PLACE_MIN_CONTEXT = 256
-TRITON_MAX_QUERY_LEN = 64  # chains of at most this many new tokens go through the Triton kernel (backend triton)
+TRITON_MAX_QUERY_LEN = MAX_PAGED_ROWS_QUERY_LEN  # chains and trees this short go through the Triton kernel
 
 
 class PackedModelRunner:
@@ -65,6 +66,9 @@ class PackedModelRunner:
         self.decoder = LeanDecoder(model) if supports(model) else None  # else transformers' forward
         self.narrowest_window = _narrowest_window(self.decoder)
         self.graphs: CudaGraphs | None = None  # captured by capture_graphs
+        # a sampled request's rows sampled here (engine/engine.py `_sample_on_device`) on a GPU; on the CPU the
+        # verifier samples only the rows its walk reaches (every row of a tree costs a pass over the vocabulary)
+        self.samples_on_device = device.type != "cpu"
         model.set_attn_implementation(ATTENTION_NAME)
 
     def capture_graphs(self, spare_block: int, max_blocks: int, max_tokens: int) -> bool:
@@ -74,7 +78,7 @@ class PackedModelRunner:
         if self.device.type != "cuda" or self.decoder is None or self.backend != "triton" or max_tokens < 1:
             return False
         self.graphs = CudaGraphs(self.decoder, self.pool, self.block_size, spare_block, max_blocks, self.device,
-                                 max_tokens, TRITON_MAX_QUERY_LEN)
+                                 max_tokens, self.paged_rows_fit)
         self.graphs.capture()
         return True
 
@@ -114,15 +118,12 @@ class PackedModelRunner:
 
     # --- attention layout ------------------------------------------------------------------
     def _lay_out(self, packed: PackedBatch, items: list[ForwardItem], members: list[GroupMember]) -> None:
+        if self.backend == "triton":
+            items, members = self._lay_out_paged_rows(packed, items, members)
         chains = [members[i] for i, item in enumerate(items) if item.is_chain]
         if self.backend == "flash" and chains:
             packed.flash = self._flash_metadata(chains)
             chains = []  # trees: SDPA, in the same step
-        if self.backend == "triton":
-            short = [m for m in chains if m.query_len <= TRITON_MAX_QUERY_LEN]
-            if short:
-                packed.paged_rows = paged_rows(short, self.block_size, self.device)
-            chains = [m for m in chains if m.query_len > TRITON_MAX_QUERY_LEN]  # prefill chunks: SDPA
         trees, gathered = self._lay_out_trees(items, members)
         sequences = chains + trees
         with_positions = needs_positions(members, self.narrowest_window)
@@ -140,6 +141,24 @@ class PackedModelRunner:
                 packed.spans.append(in_place_span(member, first_slot, self.heads_per_kv_head, self.device,
                                                   with_positions, self.block_size if row_kernel else None))
         packed.groups = self._groups(gathered, with_positions)
+
+    def _lay_out_paged_rows(
+        self, packed: PackedBatch, items: list[ForwardItem], members: list[GroupMember]
+    ) -> tuple[list[ForwardItem], list[GroupMember]]:
+        """The Triton kernel's rows: chains and trees of at most TRITON_MAX_QUERY_LEN new tokens (trees only where
+        every window is wider than that). Returns the items left to the other paths (prefill chunks)."""
+        kernel = [self.paged_rows_fit(item) for item in items]
+        entries = [(member.query_start, item) for item, member, fits in zip(items, members, kernel) if fits]
+        if entries:
+            packed.paged_rows = paged_rows(entries, self.block_size, self.device)
+        rest = [i for i, fits in enumerate(kernel) if not fits]
+        return [items[i] for i in rest], [members[i] for i in rest]
+
+    def paged_rows_fit(self, item: ForwardItem) -> bool:
+        """Whether the Triton kernel attends ITEM's rows (backend triton)."""
+        window = self.narrowest_window
+        return item.num_tokens <= TRITON_MAX_QUERY_LEN and (
+            item.is_chain or window is None or window > TRITON_MAX_QUERY_LEN)
 
     def _lay_out_trees(
         self, items: list[ForwardItem], members: list[GroupMember]
@@ -231,21 +250,19 @@ class PackedModelRunner:
 
     # --- output ------------------------------------------------------------------------------
     def _output(self, batch: ForwardBatch, packed: PackedBatch, logits: torch.Tensor) -> ForwardOutput:
-        """logits [rows kept, vocab] on the device -> per item its verifier rows (or their argmax), drafter rows,
-        hidden states and attention rows."""
+        """logits [rows kept, vocab] on the device -> per item its verifier rows (or their chosen tokens), drafter
+        rows, hidden states and attention rows."""
         out = ForwardOutput([], [], [], [])
-        host_logits, argmax = _to_host(batch, logits)
-        logit_start = argmax_start = hidden_start = 0
+        host_logits, chosen = _to_host(batch, logits)
+        logit_start = hidden_start = 0
         for i, item in enumerate(batch.items):
             num_logits, num_drafter = len(item.logit_rows), len(item.drafter_rows)
-            if item.argmax_only:
+            out.chosen.append(chosen.get(i))
+            if item.choice is not None:
                 out.logits.append(None)
-                out.argmax.append(argmax[argmax_start:argmax_start + num_logits])
-                argmax_start += num_logits
                 num_logits = 0
             else:
                 out.logits.append(host_logits[logit_start:logit_start + num_logits])
-                out.argmax.append(None)
             drafter = host_logits[logit_start + num_logits:logit_start + num_logits + num_drafter]
             out.drafter_logits.append(drafter if num_drafter else None)
             logit_start += num_logits + num_drafter
@@ -274,20 +291,35 @@ class PackedModelRunner:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
 
-def _to_host(batch: ForwardBatch, logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """What of LOGITS [rows kept, vocab] the host needs: float32 logits of every row but the argmax-only items' logit
-    rows, and those rows' argmax, computed where the logits are (one transfer each)."""
-    if not any(item.argmax_only for item in batch.items):
-        return logits.float().cpu(), []
-    argmax_rows, host_rows, row = [], [], 0
-    for item in batch.items:
-        num_logits = len(item.logit_rows)
-        (argmax_rows if item.argmax_only else host_rows).extend(range(row, row + num_logits))
-        host_rows.extend(range(row + num_logits, row + num_logits + len(item.drafter_rows)))
-        row += num_logits + len(item.drafter_rows)
-    argmax = greedy_tokens(_rows(logits, argmax_rows)) if argmax_rows else []
+def _to_host(batch: ForwardBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, list[int]]]:
+    """What of LOGITS [rows kept, vocab] the host needs: float32 logits of every row but the logit rows of items with
+    a choice, and those items' chosen tokens by item index, chosen where the logits are (one transfer each)."""
+    if not any(item.choice is not None for item in batch.items):
+        return logits.float().cpu(), {}
+    greedy_rows, host_rows, sampled, row = [], [], [], 0
+    for index, item in enumerate(batch.items):
+        rows = list(range(row, row + len(item.logit_rows)))
+        if item.choice is None:
+            host_rows += rows
+        elif item.choice.greedy:
+            greedy_rows += rows
+        else:
+            sampled.append((index, rows))
+        host_rows.extend(range(row + len(rows), row + len(rows) + len(item.drafter_rows)))
+        row += len(rows) + len(item.drafter_rows)
+    parts = [greedy_token_tensor(_rows(logits, greedy_rows))] if greedy_rows else []
+    for index, rows in sampled:
+        choice = batch.items[index].choice
+        parts.append(inverse_cdf_tensor(target_probs(_rows(logits, rows), choice), choice.uniforms))
+    tokens = torch.cat(parts).tolist() if parts else []
+    chosen, start = {}, 0
+    for index, item in enumerate(batch.items):  # greedy items' tokens first, in item order, then the sampled ones'
+        if item.choice is not None and item.choice.greedy:
+            chosen[index], start = tokens[start:start + len(item.logit_rows)], start + len(item.logit_rows)
+    for index, rows in sampled:
+        chosen[index], start = tokens[start:start + len(rows)], start + len(rows)
     host = _rows(logits, host_rows).float().cpu() if host_rows else logits.new_empty(0, 0).float()
-    return host, argmax
+    return host, chosen
 
 
 def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -81,6 +81,26 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(engi
         assert speculative[request_id].new_token_ids == output.new_token_ids, request_id
 
 
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_rows_sampled_by_the_runner_give_the_verifiers_own_tokens(engines, drafter, monkeypatch):
+    """On a GPU the runner draws a sampled request's rows itself (each at its depth's uniform, the verifier walking
+    the drawn tokens); on this CPU, made to, it gives exactly the tokens the verifier's own draws give, through the
+    trees of n-gram drafts too; requests asking for log-probabilities keep their logits."""
+    batch = prompts(4, seed=12)
+    params = [SamplingParams(temperature=0.7, top_k=30, top_p=0.9, seed=40 + i, max_tokens=40, ignore_eos=True,
+                             logprobs=0 if i == 3 else None) for i in range(len(batch))]
+    engine = engines[drafter]
+    lazily = run_to_completion(engine, batch, params)
+    chosen = []
+    original = engine.runner.execute
+    monkeypatch.setattr(engine.runner, "samples_on_device", True)
+    monkeypatch.setattr(engine.runner, "execute", lambda b: chosen.append(b) or original(b))
+    on_device = run_to_completion(engine, batch, params)
+    assert any(item.choice is not None and item.choice.uniforms for b in chosen for item in b.items)
+    for request_id, output in lazily.items():
+        assert on_device[request_id].new_token_ids == output.new_token_ids, request_id
+
+
 def test_tree_drafts_move_accepted_branches_that_are_not_the_first(engines):
     """The n-gram trees' accepted path is often a later sibling: its KV must be moved, and output stays exact."""
     batch = prompts(6, seed=4)

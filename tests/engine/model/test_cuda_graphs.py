@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.model.cuda_graphs import CudaGraphs
 from engine.model.forward import ForwardBatch, chain_item, tree_item
-from engine.model.packed_runner import TRITON_MAX_QUERY_LEN, PackedModelRunner
+from engine.model.packed_runner import PackedModelRunner
 from engine.model.paged_attention import PagedKVPool, triton_available
 from scheduler.kv_blocks import KVBlockManager
 
@@ -41,7 +41,7 @@ def runner_with_pool(tiny_model_dir) -> PackedModelRunner:
 def runners(tiny_model_dir):
     eager, graphed = runner_with_pool(tiny_model_dir), runner_with_pool(tiny_model_dir)
     graphs = CudaGraphs(graphed.decoder, graphed.pool, BLOCK_SIZE, NUM_BLOCKS, NUM_BLOCKS, DEVICE,
-                        8, TRITON_MAX_QUERY_LEN)
+                        8, graphed.paged_rows_fit)
     vocab = graphed.model.config.vocab_size
     for size in graphs.sizes:
         logits = torch.empty(size, vocab, device=DEVICE)
@@ -64,29 +64,33 @@ def test_a_padded_replay_gives_the_eager_logits_and_writes_only_its_own_kv(runne
     assert graphed.graphs.fits(step)  # 4 tokens: the size-4 graph, no padding; then 2 + 1 = 3 tokens, padded to 4
     next_step = ForwardBatch([chain_item([6, 3], len(a) + 3, blocks.grow("a", len(a) + 5), BLOCK_SIZE, 2),
                               chain_item([17], len(b) + 1, blocks.grow("b", len(b) + 2), BLOCK_SIZE)])
+    tree = tree_item([9, 5, 6, 7], [-1, -1, 0, 1], len(a) + 5, blocks.grow("a", len(a) + 9), BLOCK_SIZE, [0, 1, 2, 3])
+    tree.drafter_rows = []  # a draft tree, then a look-ahead chain hanging off its last real token
+    look_ahead = chain_item([21, 22], len(b) + 2, blocks.grow("b", len(b) + 4), BLOCK_SIZE, 1)
+    look_ahead.drafter_rows = [1]
+    tree_step = ForwardBatch([tree, look_ahead])
     spare = graphed.pool.keys[:, NUM_BLOCKS * BLOCK_SIZE:]
     spare.fill_(float("nan"))  # whatever lies there, the real rows never read it
-    for batch in (step, next_step):
-        expected, got = eager.execute(batch).logits, graphed.execute(batch).logits
-        for e, g in zip(expected, got):
+    for batch in (step, next_step, tree_step):
+        expected, got = eager.execute(batch), graphed.execute(batch)
+        for e, g in zip(expected.logits + expected.drafter_logits, got.logits + got.drafter_logits):
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
     owned = slice(0, NUM_BLOCKS * BLOCK_SIZE)
     torch.testing.assert_close(graphed.pool.keys[:, owned], eager.pool.keys[:, owned], rtol=1e-4, atol=1e-4)
     assert not spare[:, 0].isnan().any() and spare[:, 1:].isnan().all()  # the padding row wrote its spare slot only
 
 
-def test_trees_captures_look_ahead_and_long_chains_run_eagerly(runners):
+def test_captures_and_long_items_run_eagerly(runners):
     _, graphed = runners
     graphs = graphed.graphs
     blocks = KVBlockManager(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     chain = chain_item([1, 2], 0, blocks.grow("a", 2), BLOCK_SIZE)
-    assert graphs.fits(ForwardBatch([chain]))
     tree = tree_item([5, 6, 7], [-1, 0, -1], 2, blocks.grow("a", 5), BLOCK_SIZE, [0, 1, 2])
-    assert not graphs.fits(ForwardBatch([tree]))
     look_ahead = chain_item([1, 2], 0, blocks.grow("b", 2), BLOCK_SIZE)
     look_ahead.drafter_rows = [1]
+    assert graphs.fits(ForwardBatch([chain, look_ahead])) and graphs.fits(ForwardBatch([tree]))
     captured = chain_item([1, 2], 0, blocks.grow("c", 2), BLOCK_SIZE)
     captured.hidden_rows = [0, 1]
     too_many = chain_item(list(range(9)), 0, blocks.grow("d", 9), BLOCK_SIZE)
-    for item in (look_ahead, captured, too_many):
+    for item in (captured, too_many):
         assert not graphs.fits(ForwardBatch([item]))

@@ -8,9 +8,10 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from drafters.base import CaptureSpec
-from engine.model.forward import ForwardBatch, ForwardItem, chain_item, slots_of, tree_item
+from engine.model.forward import ForwardBatch, ForwardItem, RowChoice, chain_item, slots_of, tree_item
 from engine.model.packed_runner import PackedModelRunner
 from engine.model.paged_attention import PagedKVPool
+from engine.sampler import inverse_cdf_samples, target_probs
 from scheduler.kv_blocks import KVBlockManager
 from tests.engine.helpers import gguf_param
 
@@ -354,22 +355,26 @@ def assert_batch_invariant(model, path, monkeypatch, vocab: int) -> None:
             blocks.free(name)
 
 
-def test_argmax_only_items_get_their_rows_argmax_and_the_others_their_logits(models):
-    """An argmax-only item (a greedy request) gets its logit rows' argmax and no logits; beside it, an item with
-    drafter rows gets both kinds of logits, as it would in a batch of its own."""
+def test_items_with_a_choice_get_their_rows_tokens_and_the_others_their_logits(models):
+    """A greedy item gets its logit rows' argmax and a sampled one its rows' samples at their uniforms (what the
+    verifier would draw from those logits), neither any logits; beside them, an item with drafter rows gets both
+    kinds of logits, as it would in a batch of its own."""
     _, runner = models
     blocks = KVBlockManager(num_blocks=64, block_size=BLOCK_SIZE)
-    a, b = [1, 5, 9, 13, 2], [1, 30, 31, 7]
+    a, b, c = [1, 5, 9, 13, 2], [1, 30, 31, 7], [1, 8, 3]
+    sampled = RowChoice(temperature=0.8, top_k=20, top_p=0.9, uniforms=[0.3, 0.95])
 
-    def batch(argmax_only: bool) -> ForwardBatch:
+    def batch(choose: bool) -> ForwardBatch:
         greedy = chain_item(a, 0, blocks.grow("a", len(a)), BLOCK_SIZE, num_logits=3)
-        greedy.argmax_only = argmax_only
         other = chain_item(b, 0, blocks.grow("b", len(b)), BLOCK_SIZE, num_logits=1)
         other.drafter_rows = [1, 2]
-        return ForwardBatch([greedy, other])
+        drawn = chain_item(c, 0, blocks.grow("c", len(c)), BLOCK_SIZE, num_logits=2)
+        greedy.choice, drawn.choice = (RowChoice(), sampled) if choose else (None, None)
+        return ForwardBatch([greedy, other, drawn])
 
-    full, ids_only = runner.execute(batch(False)), runner.execute(batch(True))
-    assert full.argmax == [None, None] and ids_only.logits[0] is None and ids_only.argmax[1] is None
-    assert ids_only.argmax[0] == full.logits[0].argmax(dim=-1).tolist()
-    torch.testing.assert_close(ids_only.logits[1], full.logits[1], rtol=0, atol=0)
-    torch.testing.assert_close(ids_only.drafter_logits[1], full.drafter_logits[1], rtol=0, atol=0)
+    full, chosen = runner.execute(batch(False)), runner.execute(batch(True))
+    assert full.chosen == [None, None, None] and chosen.logits[0] is None and chosen.logits[2] is None
+    assert chosen.chosen[0] == full.logits[0].argmax(dim=-1).tolist() and chosen.chosen[1] is None
+    assert chosen.chosen[2] == inverse_cdf_samples(target_probs(full.logits[2], sampled), sampled.uniforms)
+    torch.testing.assert_close(chosen.logits[1], full.logits[1], rtol=0, atol=0)
+    torch.testing.assert_close(chosen.drafter_logits[1], full.drafter_logits[1], rtol=0, atol=0)

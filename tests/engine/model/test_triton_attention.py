@@ -1,15 +1,14 @@
-"""The Triton paged attention for short chains (on a CPU through Triton's interpreter): each row attends its own
-sequence's keys where its block table puts them, within the layer's window, for grouped-query heads; beside a tree
-and a long prefill chunk in the same step, the runner's logits equal the SDPA backend's."""
+"""The Triton paged attention for short chains and trees (on a CPU through Triton's interpreter): each row attends its
+own sequence's cached keys where its block table puts them, within the layer's window, and of the step's new keys its
+tree ancestors and itself, for grouped-query heads; with trees and a long prefill chunk in the same steps, the runner's
+logits equal the SDPA backend's."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.model.attention_layout import paged_rows
+from engine.model.attention_layout import ancestor_masks, paged_rows
 from engine.model.forward import ForwardBatch, chain_item, tree_item
 from engine.model.packed_runner import PackedModelRunner
 from engine.model.paged_attention import PagedKVPool, triton_available
@@ -20,45 +19,42 @@ pytestmark = pytest.mark.skipif(not triton_available(DEVICE), reason="needs the 
 BLOCK_SIZE = 4
 
 
-@dataclass
-class Chain:
-    query_start: int
-    query_len: int
-    context_len: int
-    block_table: list[int]
-
-
-def reference(query, keys, values, chains, scale, window):
-    """Each row's softmax(q k^T * scale) v over its sequence's entries 0 .. count - 1 (the last WINDOW of them)."""
+def reference(query, keys, values, items, starts, scale, window):
+    """Each row's softmax(q k^T * scale) v over the entries it sees: its sequence's cached ones (the last WINDOW
+    positions of them before its own) and, of the step's new ones, its ancestors and itself."""
     out = torch.zeros_like(query)
     group = query.shape[1] // keys.shape[1]
-    for chain in chains:
-        slots = [chain.block_table[i // BLOCK_SIZE] * BLOCK_SIZE + i % BLOCK_SIZE for i in range(chain.context_len)]
+    for item, start in zip(items, starts):
+        slots = [item.block_table[i // BLOCK_SIZE] * BLOCK_SIZE + i % BLOCK_SIZE for i in range(item.context_len)]
         k, v = keys[slots].double(), values[slots].double()
-        for row in range(chain.query_len):
-            count = chain.context_len - chain.query_len + row + 1
-            low = max(0, count - window) if window else 0
+        for row, mask in enumerate(ancestor_masks(item.parents, item.num_tokens)):
+            low = max(0, item.positions[row] - window + 1) if window else 0
+            seen = [i for i in range(low, item.num_cached)] + [
+                item.num_cached + j for j in range(item.num_tokens) if mask >> j & 1]
             for head in range(query.shape[1]):
-                scores = query[chain.query_start + row, head].double() @ k[low:count, head // group].T * scale
-                out[chain.query_start + row, head] = (torch.softmax(scores, -1) @ v[low:count, head // group]).float()
+                scores = query[start + row, head].double() @ k[seen, head // group].T * scale
+                out[start + row, head] = (torch.softmax(scores, -1) @ v[seen, head // group]).float()
     return out
 
 
 @pytest.mark.parametrize("window", [None, 9])
-def test_rows_attend_their_own_blocks_wherever_they_lie(window):
+def test_rows_attend_what_they_see_wherever_their_blocks_lie(window):
     generator = torch.Generator().manual_seed(3)
     heads, kv_heads, head_dim, num_blocks = 6, 2, 24, 40  # head_dim not a power of two: masked lanes
     keys, values = (torch.randn(num_blocks * BLOCK_SIZE, kv_heads, head_dim, generator=generator).to(DEVICE)
                     for _ in range(2))
     order = torch.randperm(num_blocks, generator=generator).tolist()  # blocks scattered through the pool
-    chains = [Chain(0, 1, 37, order[:10]), Chain(1, 4, 70, order[10:28]), Chain(5, 2, 2, order[28:29])]
-    query = torch.randn(7, heads, head_dim, generator=generator).to(DEVICE)
+    items = [chain_item([0], 36, order[:10], BLOCK_SIZE), chain_item([0] * 4, 66, order[10:28], BLOCK_SIZE, 4),
+             tree_item([0] * 5, [-1, 0, 0, -1, 1], 30, order[28:37], BLOCK_SIZE, [0, 1, 2, 3, 4]),
+             chain_item([0] * 2, 0, order[37:38], BLOCK_SIZE, 2)]  # nothing cached
+    starts = [0, 1, 5, 10]
+    query = torch.randn(12, heads, head_dim, generator=generator).to(DEVICE)
     out = torch.full_like(query, float("nan"))
     from engine.model.triton_attention import paged_rows_attention  # after the conftest chose the interpreter
 
-    paged_rows_attention(query, keys, values, paged_rows(chains, BLOCK_SIZE, query.device), 0.2, window, out,
-                         BLOCK_SIZE)
-    expected = reference(query.cpu(), keys.cpu(), values.cpu(), chains, 0.2, window)
+    paged_rows_attention(query, keys, values, paged_rows(list(zip(starts, items)), BLOCK_SIZE, query.device), 0.2,
+                         window, out, BLOCK_SIZE)
+    expected = reference(query.cpu(), keys.cpu(), values.cpu(), items, starts, 0.2, window)
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
