@@ -4,12 +4,9 @@
 #   bash bench/gpu_session.sh default    # the default model's MT-Redundant run with every drafter and the HF peer
 # Python packages the machine lacks travel as wheels in .whl/ (installed into /tmp/site); the default model's GGUF
 # travels in pieces (.gpu/*/smol.part*), kept in /root/gguf-pieces between calls while the machine stays warm.
-# Results go under $OUT (at most 8 files come back per call). What one session carried, prepared here:
-#   .whl/: `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux...` of
-#     transformers (the project's version; the machine's is older), msgspec, gguf, llguidance, pyzmq, fastapi,
-#     starlette, pydantic, pydantic-core, annotated-types, typing-inspection, uvicorn, opentelemetry-api
-#   .gpu/a, .gpu/b: `split -b 40000000 -d SmolLM2-135M-Instruct.Q4_1.gguf smol.part` (part00 in a, the rest in b),
-#     carried by two calls in a row while the machine stays warm: one call carries 64 MiB at most
+# Results go under $OUT (at most 8 files come back per call). bench/gpu_prepare.sh makes .whl/ and .gpu/ here first;
+# then one `run` carries .whl and .gpu/a with `roofline`, the next (within the 30 s the machine stays warm) .gpu/b
+# with `default`.
 set -u
 stage=${1:?roofline or default}
 out=${OUT:-/tmp/gpu-out}
