@@ -72,9 +72,10 @@ class PackedModelRunner:
         model.set_attn_implementation(ATTENTION_NAME)
 
     def capture_graphs(self, spare_block: int, max_blocks: int, max_tokens: int) -> bool:
-        """Capture CUDA graphs of short-chain steps (engine/model/cuda_graphs.py) where they apply: on a GPU, with
-        the lean decoder and the triton backend. SPARE_BLOCK: a pool block no sequence owns (the padding rows' KV);
-        MAX_BLOCKS: the widest block table; MAX_TOKENS: the largest step captured. Returns whether it captured."""
+        """Capture CUDA graphs of decoding and verifying steps (engine/model/cuda_graphs.py) where they apply: on a
+        GPU, with the lean decoder and the triton backend. SPARE_BLOCK: a pool block no sequence owns (the padding
+        rows' KV); MAX_BLOCKS: the widest block table; MAX_TOKENS: the largest step captured. Returns whether it
+        captured."""
         if self.device.type != "cuda" or self.decoder is None or self.backend != "triton" or max_tokens < 1:
             return False
         self.graphs = CudaGraphs(self.decoder, self.pool, self.block_size, spare_block, max_blocks, self.device,
