@@ -360,9 +360,13 @@ class RowTable:
             self.ancestors.append(mask - (1 << 64) if mask >= 1 << 63 else mask)  # as a signed 64-bit integer
             self.positions.append(item.positions[row])
 
-    def tensors(self, device: torch.device, width: int | None = None, pad_block: int = 0) -> PagedRows:
-        width = width or max(len(t) for t in self.tables)
-        padded = [t + [pad_block] * (width - len(t)) for t in self.tables]
+    def padded_tables(self, pad_block: int = 0) -> list[list[int]]:
+        """The rows' block tables, each padded with PAD_BLOCK to the widest."""
+        width = max(len(t) for t in self.tables)
+        return [t + [pad_block] * (width - len(t)) for t in self.tables]
+
+    def tensors(self, device: torch.device) -> PagedRows:
+        padded = self.padded_tables()
 
         def int32(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=device)

@@ -1,4 +1,4 @@
-"""CUDA graphs of the lean forward for steps of short chains: decoding, and verifying chains of drafts.
+"""CUDA graphs of the lean forward for decoding and verifying steps (chains and trees of drafts).
 
 On a GPU a decoding step of a small or mid-sized model is bound by launching its kernels from Python (hundreds per
 step), not by the GPU. At start-up the runner captures one graph per padded token count of a ladder (GRAPH_TOKEN_COUNTS
@@ -122,8 +122,8 @@ class CudaGraphs:
         for item in batch.items:
             rows.add(start, item, self.block_size)
             start += item.num_tokens
-        width = max(len(table) for table in rows.tables)
-        tables = [table + [self.spare_block] * (width - len(table)) for table in rows.tables]
+        tables = rows.padded_tables(self.spare_block)
+        width = len(tables[0])
         tables += [[self.spare_block] * width] * padding
         self.token_ids[:size].copy_(torch.tensor(token_ids))
         self.positions[:size].copy_(torch.tensor(positions))
