@@ -25,6 +25,7 @@ from engine.model.cpu_kernels import cpu_isa, isa_supported
 
 TILE = 16  # output channels per tile of the packed layout
 GROUP = 4  # inputs per group: one 32-bit lane of the integer dot-product instructions
+NARROW = (-32, 31)  # signed codes in this range take AVX2's cheaper product (kernel bits 6)
 
 
 def available() -> bool:
@@ -45,7 +46,7 @@ class BlockLinear(torch.nn.Module):
         self.register_buffer("codes", codes)  # [N / 16, K / 32, 64 * bits] uint8
         self.register_buffer("scales", scales)  # [N / 16, K / 32, 32 / sub, 16] float32
         self.register_buffer("mins", mins)  # [N / 16, K / 32, 16] float32, or None (signed codes)
-        self.bits = bits
+        self.bits = bits  # unsigned: 4 or 8; signed: 8, or 6 where every code lies in -32..31 (NARROW)
         self.sub = sub
         self.out_features = out_features or codes.shape[0] * TILE  # fewer when the last tile is padded
         self.in_features = codes.shape[1] * BLOCK
@@ -66,7 +67,7 @@ class BlockLinear(torch.nn.Module):
         packed = grouped.reshape(tiles, blocks, -1).contiguous()
         scales = _tiled(weights.scales, tiles, BLOCK // weights.sub)
         mins = None if weights.signed else _tiled(weights.mins, tiles, 1).reshape(tiles, blocks, TILE)
-        return cls(packed, scales, mins, weights.bits, weights.sub, out_features=num_out, isa=isa)
+        return cls(packed, scales, mins, _kernel_bits(weights), weights.sub, out_features=num_out, isa=isa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -77,20 +78,21 @@ class BlockLinear(torch.nn.Module):
         return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        form = f"signed, sub={self.sub}" if self.mins is None else f"unsigned, bits={self.bits}"
+        form = f"signed, bits={self.bits}, sub={self.sub}" if self.mins is None else f"unsigned, bits={self.bits}"
         return f"in_features={self.in_features}, out_features={self.out_features}, {form}, isa={self.isa}"
 
 
 def concatenate(parts: list[BlockLinear]) -> BlockLinear:
     """Output channels of PARTS in order, as one layer (one kernel call): whole tiles, so their buffers concatenate."""
     first = parts[0]
-    same_form = {(p.mins is None, p.bits, p.sub, p.in_features, p.isa) for p in parts}
+    bits = max(p.bits for p in parts)  # narrow signed codes beside full ones: all multiplied as full ones
+    same_form = {(p.mins is None, p.bits if p.mins is not None else 8, p.sub, p.in_features, p.isa) for p in parts}
     if len(same_form) != 1 or any(p.out_features % TILE for p in parts):
         raise ValueError("block-quantised Linear layers fuse only with the same form, bits, sub, inputs and ISA, and "
                          f"whole tiles of {TILE} output channels")
     codes, scales = (torch.cat([getattr(p, name) for p in parts]) for name in ("codes", "scales"))
     mins = None if first.mins is None else torch.cat([p.mins for p in parts])
-    return BlockLinear(codes, scales, mins, first.bits, first.sub, isa=first.isa)
+    return BlockLinear(codes, scales, mins, bits, first.sub, isa=first.isa)
 
 
 def _check(weights: BlockWeights) -> None:
@@ -114,6 +116,15 @@ def _check(weights: BlockWeights) -> None:
         raise ValueError(f"scales must be [{num_out}, {num_in // weights.sub}], got {list(weights.scales.shape)}")
     if weights.mins is not None and weights.mins.shape != (num_out, num_in // BLOCK):
         raise ValueError(f"mins must be [{num_out}, {num_in // BLOCK}], got {list(weights.mins.shape)}")
+
+
+def _kernel_bits(weights: BlockWeights) -> int:
+    """The bits the kernel is told: signed codes that all lie in NARROW (Q5_0's, Q6_K's) are 6, which lets AVX2
+    multiply them as small unsigned numbers (engine/model/csrc/block_linear.cpp); otherwise the weights' own."""
+    if weights.signed and weights.codes.numel() and NARROW[0] <= int(weights.codes.min()) <= int(
+            weights.codes.max()) <= NARROW[1]:
+        return 6
+    return weights.bits
 
 
 def _tiled(per_scale: torch.Tensor, tiles: int, per_block: int) -> torch.Tensor:

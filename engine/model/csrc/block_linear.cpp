@@ -5,7 +5,8 @@
 //
 // Weights (packed by engine/model/block_linear.py), two forms:
 // - unsigned: w[n, k] = scale[n, b] * code[n, k] + min[n, b], b = k / 32, codes 0..15 (bits 4) or 0..31 (bits 8);
-// - signed: w[n, k] = scale[n, k / sub] * code[n, k], codes -128..127, sub 32 or 16 (two scales per block of 32).
+// - signed: w[n, k] = scale[n, k / sub] * code[n, k], codes -128..127, sub 32 or 16 (two scales per block of 32);
+//   narrow signed codes (-32..31: Q5_0, Q6_K) are stored the same way and flagged bits 6.
 // Layout per tile of 16 output channels and block of 32 inputs: 8 groups of 4 inputs, each a 64-byte vector of 16
 // channels x 4 codes (4-bit: group j in the low, group j + 4 in the high nibbles of the same 64 bytes); AVX2 reads
 // each vector as two 32-byte halves (channels 0-7, 8-15). Per tile and block: scales [32 / sub][16], mins [16].
@@ -18,10 +19,13 @@
 // The dots are exact int32 sums whichever way they are formed. Unsigned codes are the instructions' unsigned operand
 // as they are. Signed codes: VNNI multiplies code + 128 (a byte 0..255) and starts the sum at -128 * sum q (per 16
 // inputs, from the activations: no weight-side buffer); AVX2, whose int16 products would saturate at 255 * 127,
-// uses the sign trick: sum |code| * (q * sign(code)), |code| <= 128 as an unsigned byte.
+// uses the sign trick: sum |code| * (q * sign(code)), |code| <= 128 as an unsigned byte. Narrow codes (bits 6) on
+// AVX2 instead take code + 32 (0..63) as the unsigned operand, two groups' products summed in int16 (at most
+// 4 * 63 * 127) before widening, the sum started at -32 * sum q: half the instructions per weight and row.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -34,12 +38,16 @@ constexpr int TILE = 16;   // output channels per tile: one AVX-512 vector of fl
 constexpr int BLOCK = 32;  // inputs per quantisation block
 constexpr int ROWS = 4;    // activation rows that share one unpacking of a tile's weights
 
-enum class Form { unsigned4, unsigned8, signed32, signed16 };
+enum class Form { unsigned4, unsigned8, signed32, signed16, narrow32, narrow16 };
 enum class Isa { avx2, vnni };
 
-constexpr bool is_signed(Form f) { return f == Form::signed32 || f == Form::signed16; }
+constexpr bool is_narrow(Form f) { return f == Form::narrow32 || f == Form::narrow16; }
+constexpr bool is_signed(Form f) { return f == Form::signed32 || f == Form::signed16 || is_narrow(f); }
+constexpr bool two_scales(Form f) { return f == Form::signed16 || f == Form::narrow16; }  // a scale per 16 inputs
 constexpr int block_bytes(Form f) { return f == Form::unsigned4 ? BLOCK * TILE / 2 : BLOCK * TILE; }
-constexpr int block_scales(Form f) { return f == Form::signed16 ? 2 * TILE : TILE; }
+constexpr int block_scales(Form f) { return two_scales(f) ? 2 * TILE : TILE; }
+constexpr int NARROW_OFFSET = 32;  // narrow codes + 32 lie in 0..63
+constexpr int NARROW_SHIFT = 2;  // -128 * sum q >> 2 = -32 * sum q, exactly (a multiple of 128)
 
 struct Activations {
   const int8_t* codes;  // [M, K] q
@@ -125,7 +133,7 @@ VNNI void tile_rows_vnni(const Tile& w, const Activations& a, int64_t row0, floa
         second = _mm512_dpbusd_epi32(second, groups[j + 4], _mm512_set1_epi32(x[j + 4]));
       }
       __m512 t;
-      if constexpr (F == Form::signed16) {
+      if constexpr (two_scales(F)) {
         t = _mm512_mul_ps(_mm512_cvtepi32_ps(first), _mm512_loadu_ps(scale));
         t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_cvtepi32_ps(second), _mm512_loadu_ps(scale + TILE)));
       } else {
@@ -142,92 +150,114 @@ VNNI void tile_rows_vnni(const Tile& w, const Activations& a, int64_t row0, floa
 }
 
 // ---- AVX2: each 64-byte group vector as two 32-byte halves of 8 channels x 4 codes ---------------------------------
+// A tile is multiplied half by half (channels 0-7 over every block, then 8-15): with the accumulators of one half,
+// R rows' dots and the few group vectors in use at once, the sixteen ymm registers hold the whole inner loop.
 
-// Half H (channels 8H .. 8H + 7) of a block's 8 group vectors: the codes as stored and, signed, their magnitudes
-// (-128 -> 0x80: 128 as the unsigned operand).
+// Group j (inputs 4j .. 4j + 3) of a block's half P, codes as stored, 4-bit ones taken from their nibbles.
 template <Form F>
-AVX2 inline void load_avx2(const uint8_t* w, int half, __m256i* groups, __m256i* magnitudes) {
-  const uint8_t* p = w + half * 32;
+AVX2 inline __m256i group_avx2(const uint8_t* p, int j) {
   if constexpr (F == Form::unsigned4) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int j = 0; j < 4; ++j) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * 64));
-      groups[j] = _mm256_and_si256(v, low);
-      groups[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-    }
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (j % 4) * 64));
+    return _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
   } else {
-    for (int j = 0; j < 8; ++j) {
-      groups[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * 64));
-      if constexpr (is_signed(F)) magnitudes[j] = _mm256_abs_epi8(groups[j]);
-    }
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * 64));
   }
 }
 
-// Pairwise products of group j's codes with the row's 4 activation codes x, in int16 lanes, signed codes as
-// |code| * (q * sign(code)); exact, no saturation: unsigned codes <= 31, |signed code| <= 128, |q| <= 127.
-template <Form F>
-AVX2 inline __m256i products_avx2(const __m256i* groups, const __m256i* magnitudes, const int32_t* x, int j) {
-  const __m256i q = _mm256_set1_epi32(x[j]);
-  if constexpr (is_signed(F)) {
-    return _mm256_maddubs_epi16(magnitudes[j], _mm256_sign_epi8(q, groups[j]));
-  } else {
-    return _mm256_maddubs_epi16(groups[j], q);
-  }
-}
+AVX2 inline __m256i broadcast(const int32_t* x, int j) { return _mm256_set1_epi32(x[j]); }
 
-// Dots over groups 4s .. 4s + 3 (inputs 16s .. 16s + 15) in int32 lanes, one per channel.
-template <Form F>
-AVX2 inline __m256i dot16_avx2(const __m256i* groups, const __m256i* magnitudes, const int32_t* x, int s) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (is_signed(F)) {  // products up to 32512 per int16 lane: widen each group
-    __m256i dot = _mm256_madd_epi16(products_avx2<F>(groups, magnitudes, x, 4 * s), ones);
-    for (int j = 4 * s + 1; j < 4 * s + 4; ++j) {
-      dot = _mm256_add_epi32(dot, _mm256_madd_epi16(products_avx2<F>(groups, magnitudes, x, j), ones));
-    }
-    return dot;
-  } else {  // up to 4 * 7874 per int16 lane: sum 4 groups, widen once
-    __m256i sum = products_avx2<F>(groups, magnitudes, x, 4 * s);
-    for (int j = 4 * s + 1; j < 4 * s + 4; ++j) sum = _mm256_add_epi16(sum, products_avx2<F>(groups, magnitudes, x, j));
-    return _mm256_madd_epi16(sum, ones);
-  }
-}
-
-// R rows (1..ROWS) of one tile, 8 channels at a time.
+// dot[r] += the products of groups 4s .. 4s + 3 (inputs 16s .. 16s + 15) with row r's activation codes X[r], in
+// int32 lanes, one per channel. Exact: int16 lanes hold unsigned codes' four products (<= 4 * 31 * 127), narrow
+// codes' (+ 32) two (<= 2 * 2 * 63 * 127) and signed magnitudes' one pair (<= 2 * 128 * 127).
 template <Form F, int R>
-AVX2 void tile_rows_avx2(const Tile& w, const Activations& a, int64_t row0, float* out, int64_t ldo) {
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < a.blocks; ++b) {
-    const float* scale = w.scales + b * block_scales(F);
-    for (int h = 0; h < 2; ++h) {
-      // a compiler barrier: without it GCC hoists the R rows' 8 activation broadcasts out of this loop (they do
-      // not depend on the half) and spills them all to the stack, which is slower than broadcasting them again
-      asm volatile("" ::: "memory");
-      __m256i groups[8], magnitudes[8];
-      load_avx2<F>(w.codes + b * block_bytes(F), h, groups, magnitudes);
+AVX2 inline void add_dot16_avx2(const uint8_t* p, const int32_t* const* x, int s, __m256i* dot) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (F == Form::unsigned4 || F == Form::unsigned8) {
+    __m256i v[4];
+    #pragma GCC unroll 8
+    for (int i = 0; i < 4; ++i) v[i] = group_avx2<F>(p, 4 * s + i);
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m256i sum = _mm256_maddubs_epi16(v[0], broadcast(x[r], 4 * s));
+      #pragma GCC unroll 8
+      for (int i = 1; i < 4; ++i) sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(v[i], broadcast(x[r], 4 * s + i)));
+      dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(sum, ones));
+    }
+  } else if constexpr (is_narrow(F)) {  // code + 32 as the unsigned operand
+    const __m256i offset = _mm256_set1_epi8(NARROW_OFFSET);
+    #pragma GCC unroll 8
+    for (int j = 4 * s; j < 4 * s + 4; j += 2) {
+      const __m256i v0 = _mm256_add_epi8(group_avx2<F>(p, j), offset),
+                    v1 = _mm256_add_epi8(group_avx2<F>(p, j + 1), offset);
+      #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const int64_t row = row0 + r;
-        const int32_t* x = reinterpret_cast<const int32_t*>(a.codes + row * a.K + b * BLOCK);
-        const __m256i first = dot16_avx2<F>(groups, magnitudes, x, 0),
-                      second = dot16_avx2<F>(groups, magnitudes, x, 1);
-        __m256 t;
-        if constexpr (F == Form::signed16) {
-          t = _mm256_mul_ps(_mm256_cvtepi32_ps(first), _mm256_loadu_ps(scale + 8 * h));
-          t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_cvtepi32_ps(second), _mm256_loadu_ps(scale + TILE + 8 * h)));
-        } else {
-          t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(first, second)), _mm256_loadu_ps(scale + 8 * h));
-          if constexpr (!is_signed(F)) {
-            const __m256 sum = _mm256_set1_ps(a.sums[row * a.blocks + b]);
-            t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_loadu_ps(w.mins + b * TILE + 8 * h), sum));
-          }
-        }
-        acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(t, _mm256_set1_ps(a.scales[row * a.blocks + b])));
+        const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(v0, broadcast(x[r], j)),
+                                              _mm256_maddubs_epi16(v1, broadcast(x[r], j + 1)));
+        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pair, ones));
+      }
+    }
+  } else {  // the sign trick: |code| * (q * sign(code)), -128 -> 0x80: 128 as the unsigned operand
+    #pragma GCC unroll 8
+    for (int j = 4 * s; j < 4 * s + 4; ++j) {
+      const __m256i v = group_avx2<F>(p, j), magnitude = _mm256_abs_epi8(v);
+      #pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256i products = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(broadcast(x[r], j), v));
+        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(products, ones));
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(out + (row0 + r) * ldo, acc[r][0]);
-    _mm256_storeu_ps(out + (row0 + r) * ldo + 8, acc[r][1]);
+}
+
+// R rows (1..ROWS) of one tile.
+template <Form F, int R>
+AVX2 void tile_rows_avx2(const Tile& w, const Activations& a, int64_t row0, float* out, int64_t ldo) {
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const uint8_t* p = w.codes + b * block_bytes(F) + h * 32;
+      const float* scale = w.scales + b * block_scales(F) + 8 * h;
+      const int32_t* x[R];
+      #pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) x[r] = reinterpret_cast<const int32_t*>(a.codes + (row0 + r) * a.K + b * BLOCK);
+      __m256i dot[R];
+      __m256 t[R];
+      #pragma GCC unroll 8
+      for (int s = 0; s < 2; ++s) {
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          // narrow codes' sum starts at -32 * sum q over these 16 inputs (a quarter of VNNI's -128 * sum q)
+          const __m256i start = is_narrow(F)
+              ? _mm256_set1_epi32(a.offsets[(row0 + r) * 2 * a.blocks + 2 * b + s] >> NARROW_SHIFT)
+              : _mm256_setzero_si256();
+          dot[r] = s == 0 || two_scales(F) ? start : _mm256_add_epi32(dot[r], start);
+        }
+        add_dot16_avx2<F, R>(p, x, s, dot);
+        if constexpr (two_scales(F)) {  // t = dot0 * scale0, then t + dot1 * scale1
+          #pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_loadu_ps(scale + TILE * s));
+            t[r] = s == 0 ? part : _mm256_add_ps(t[r], part);
+          }
+        }
+      }
+      #pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = row0 + r;
+        if constexpr (!two_scales(F)) {
+          t[r] = _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_loadu_ps(scale));
+          if constexpr (!is_signed(F)) {
+            const __m256 sum = _mm256_set1_ps(a.sums[row * a.blocks + b]);
+            t[r] = _mm256_add_ps(t[r], _mm256_mul_ps(_mm256_loadu_ps(w.mins + b * TILE + 8 * h), sum));
+          }
+        }
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(t[r], _mm256_set1_ps(a.scales[row * a.blocks + b])));
+      }
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + (row0 + r) * ldo + 8 * h, acc[r]);
   }
 }
 
@@ -263,24 +293,40 @@ struct Weights {
 };
 
 template <Form F, Isa I>
-void all_tiles(const Weights& w, const Activations& a, int64_t M, float* out) {
+void tile_range(const Weights& w, const Activations& a, int64_t M, float* out, int64_t begin, int64_t end) {
   const int64_t N = w.tiles * TILE;
-  at::parallel_for(0, w.tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const Tile tile_weights{w.codes + t * a.blocks * block_bytes(F), w.scales + t * a.blocks * block_scales(F),
-                              w.mins == nullptr ? nullptr : w.mins + t * a.blocks * TILE};
-      tile<F, I>(tile_weights, a, M, out + t * TILE, N);
+  for (int64_t t = begin; t < end; ++t) {
+    const Tile tile_weights{w.codes + t * a.blocks * block_bytes(F), w.scales + t * a.blocks * block_scales(F),
+                            w.mins == nullptr ? nullptr : w.mins + t * a.blocks * TILE};
+    tile<F, I>(tile_weights, a, M, out + t * TILE, N);
+  }
+}
+
+// The tiles in chunks that each thread takes as it comes free (eight per thread): on a machine whose cores run at
+// different speeds (another process on one of them) a fixed split leaves the faster ones waiting at the end.
+template <Form F, Isa I>
+void all_tiles(const Weights& w, const Activations& a, int64_t M, float* out) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk = std::max<int64_t>(1, (w.tiles + 8 * threads - 1) / (8 * threads));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t begin; (begin = next.fetch_add(chunk)) < w.tiles;) {
+      tile_range<F, I>(w, a, M, out, begin, std::min(begin + chunk, w.tiles));
     }
   });
 }
 
+// VNNI multiplies narrow codes as any signed ones (code + 128 costs it nothing more).
 template <Isa I>
 void run(Form form, const Weights& w, const Activations& a, int64_t M, float* out) {
+  constexpr bool avx2 = I == Isa::avx2;
   switch (form) {
     case Form::unsigned4: all_tiles<Form::unsigned4, I>(w, a, M, out); break;
     case Form::unsigned8: all_tiles<Form::unsigned8, I>(w, a, M, out); break;
     case Form::signed32: all_tiles<Form::signed32, I>(w, a, M, out); break;
     case Form::signed16: all_tiles<Form::signed16, I>(w, a, M, out); break;
+    case Form::narrow32: all_tiles<avx2 ? Form::narrow32 : Form::signed32, I>(w, a, M, out); break;
+    case Form::narrow16: all_tiles<avx2 ? Form::narrow16 : Form::signed16, I>(w, a, M, out); break;
   }
 }
 
@@ -301,13 +347,15 @@ Form parse_form(bool has_mins, int64_t bits, int64_t sub) {
     TORCH_CHECK(sub == BLOCK && (bits == 4 || bits == 8), "block_linear: unsigned codes need bits 4 or 8 and sub 32");
     return bits == 4 ? Form::unsigned4 : Form::unsigned8;
   }
-  TORCH_CHECK(bits == 8 && (sub == 16 || sub == 32), "block_linear: signed codes need bits 8 and sub 16 or 32");
+  TORCH_CHECK((bits == 8 || bits == 6) && (sub == 16 || sub == 32),
+              "block_linear: signed codes need bits 8 (-128..127) or 6 (-32..31) and sub 16 or 32");
+  if (bits == 6) return sub == 16 ? Form::narrow16 : Form::narrow32;
   return sub == 16 ? Form::signed16 : Form::signed32;
 }
 
 }  // namespace
 
-// x [M, K] float32; codes [N / 16, K / 32, 64 * bits] uint8; scales [N / 16, K / 32, 32 / sub, 16] float32;
+// x [M, K] float32; codes [N / 16, K / 32, 256 (bits 4) or 512] uint8; scales [N / 16, K / 32, 32 / sub, 16] float32;
 // mins [N / 16, K / 32, 16] float32 (unsigned form) or None (signed); isa "avx512vnni" or "avx2" -> [M, N] float32.
 torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                            const std::optional<torch::Tensor>& mins, int64_t bits, int64_t sub, c10::string_view isa) {

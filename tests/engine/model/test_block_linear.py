@@ -11,13 +11,14 @@ from engine.model.cpu_kernels import ISAS, isa_supported
 pytestmark = pytest.mark.skipif(not any(isa_supported(isa) for isa in ISAS),
                                 reason="block_linear needs AVX2 or AVX512-VNNI and a C++ compiler for its kernel")
 
-FORMS = ["unsigned4", "unsigned8", "signed32", "signed16"]
+FORMS = ["unsigned4", "unsigned8", "signed32", "signed16", "narrow32", "narrow16"]  # narrow: signed, -32..31
 ISA_PARAMS = [pytest.param(isa, marks=pytest.mark.skipif(not isa_supported(isa), reason=f"this CPU lacks {isa}"))
               for isa in ISAS]
 
 
 def random_weights(form: str, num_out: int, num_in: int, seed: int) -> BlockWeights:
-    """Weights of FORM with codes over their whole range (signed: -128 included), in assorted integer dtypes."""
+    """Weights of FORM with codes over their whole range (signed: -128 included; narrow: -32..31), in assorted
+    integer dtypes."""
     generator = torch.Generator().manual_seed(seed)
     if form.startswith("unsigned"):
         bits, high, dtype = (4, 16, torch.uint8) if form == "unsigned4" else (8, 32, torch.int64)
@@ -25,8 +26,9 @@ def random_weights(form: str, num_out: int, num_in: int, seed: int) -> BlockWeig
         scales = torch.rand(num_out, num_in // 32, generator=generator) / 10
         mins = -torch.rand(num_out, num_in // 32, generator=generator)
         return BlockWeights(codes, scales, mins, bits=bits)
-    sub, dtype = (16, torch.int16) if form == "signed16" else (32, torch.int8)
-    codes = torch.randint(-128, 128, (num_out, num_in), generator=generator, dtype=dtype)
+    sub, dtype = (16, torch.int16) if form.endswith("16") else (32, torch.int8)
+    low = -32 if form.startswith("narrow") else -128
+    codes = torch.randint(low, -low, (num_out, num_in), generator=generator, dtype=dtype)
     scales = torch.rand(num_out, num_in // sub, generator=generator) / 100
     return BlockWeights(codes, scales, None, bits=8, sub=sub)
 
@@ -146,3 +148,14 @@ def test_the_isa_cap_is_honoured(monkeypatch):
     assert cpu_isa() == ("avx2" if isa_supported("avx2") else None)
     monkeypatch.setenv("SPECSERVE_CPU_ISA", "none")
     assert cpu_isa() is None and not available() and not row_attention_available()
+
+
+def test_narrow_signed_codes_take_the_narrow_kernel_and_fuse_with_full_ones():
+    """Q5_0's and Q6_K's codes (-32..31) are told to the kernel as bits 6; fused beside full-range codes (a Q8_0
+    value beside a Q5_0 key) the layer is multiplied as full-range, with the same outputs."""
+    narrow, full = random_weights("narrow32", 32, 64, seed=7), random_weights("signed32", 16, 64, seed=8)
+    layers = [BlockLinear.from_blocks(w) for w in (narrow, full)]
+    assert [layer.bits for layer in layers] == [6, 8]
+    fused = concatenate(layers)
+    x = activations(5, 64, seed=9)
+    assert fused.bits == 8 and torch.equal(fused(x), torch.cat([layer(x) for layer in layers], dim=1))
