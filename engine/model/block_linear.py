@@ -10,7 +10,9 @@ once per 4 rows, which makes verifying drafted tokens cost little more than deco
 
 The weights are packed once, at load, into the kernel's tiles: per 16 output channels and block of 32 inputs, 8
 groups of 4 inputs as 64-byte vectors of 16 channels x 4 codes (4-bit codes: groups j and j + 4 in the low and high
-nibbles of the same bytes), beside the block's scales [32 / sub][16] and, unsigned, its minimums [16].
+nibbles of the same bytes), beside the block's scales [32 / sub][16] and, unsigned, its minimums [16]. Signed codes
+that all lie in -32..31 (Q5_0's, Q6_K's) are stored the same way and passed to the kernel as bits 6, which lets AVX2
+multiply them as small unsigned numbers (half the instructions of the sign trick full-range codes need).
 
 The kernel needs AVX2 (at least) and a C++ compiler (engine/model/cpu_kernels.py): `available()` says whether it runs
 here, SPECSERVE_CPU_ISA included.

@@ -159,3 +159,18 @@ def test_narrow_signed_codes_take_the_narrow_kernel_and_fuse_with_full_ones():
     fused = concatenate(layers)
     x = activations(5, 64, seed=9)
     assert fused.bits == 8 and torch.equal(fused(x), torch.cat([layer(x) for layer in layers], dim=1))
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+@pytest.mark.parametrize("form", ["narrow32", "narrow16", "signed32", "unsigned8"])
+def test_the_largest_products_do_not_saturate(form, isa):
+    """Codes at the ends of their range against activation codes of +-127 everywhere: the int16 sums the AVX2 variant
+    forms before widening are at their largest (narrow: two groups of 63 * 127 pairs, 32,004)."""
+    weights = random_weights(form, 32, 64, seed=10)
+    high = 31 if form.startswith(("narrow", "unsigned")) else 127
+    low = 0 if form.startswith("unsigned") else (-32 if form.startswith("narrow") else -128)
+    weights.codes = torch.where(torch.arange(32)[:, None] % 2 == 0, high, low).expand(32, 64).to(weights.codes.dtype)
+    x = torch.ones(3, 64)
+    x[1] = -1
+    x[2, ::2] = -1
+    assert torch.equal(BlockLinear.from_blocks(weights, isa=isa)(x), reference(x, weights))
