@@ -6,6 +6,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import re
 import tempfile
 import time
 import uuid
@@ -33,6 +34,7 @@ from server.metrics import ServerMetrics
 from server.supervision import RestartBudget, death_cause, exit_reason
 
 logger = logging.getLogger("specserve.server")
+SOCKET_FILE = re.compile(r"specserve-(\d+)-[0-9a-f]{12}-(?:in|out)")  # a server's pid, then the engine's id
 
 
 class EngineDeadError(RuntimeError):
@@ -320,5 +322,32 @@ def _raise_if_failed(item: RequestOutput | Exception) -> RequestOutput:
 
 
 def _ipc_addresses() -> tuple[str, str]:
-    base = os.path.join(tempfile.gettempdir(), f"specserve-{uuid.uuid4().hex[:12]}")
+    """A new engine's socket addresses, named after this server's pid, after sweeping up those of dead servers."""
+    directory = tempfile.gettempdir()
+    remove_stale_socket_files(directory)
+    base = os.path.join(directory, f"specserve-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     return f"ipc://{base}-in", f"ipc://{base}-out"
+
+
+def remove_stale_socket_files(directory: str) -> list[str]:
+    """Remove from DIRECTORY the ipc socket files of servers no longer running (a server closes its own; one killed
+    outright leaves them behind), known by the pid in their names; the paths removed."""
+    removed = []
+    for name in os.listdir(directory):
+        match = SOCKET_FILE.fullmatch(name)
+        if match is None or _is_running(int(match.group(1))):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
+            removed.append(os.path.join(directory, name))
+    return removed
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except (ProcessLookupError, OverflowError):  # no such process, or a number no pid can be
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
