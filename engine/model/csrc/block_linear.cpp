@@ -167,8 +167,9 @@ AVX2 inline __m256i group_avx2(const uint8_t* p, int j) {
 AVX2 inline __m256i broadcast(const int32_t* x, int j) { return _mm256_set1_epi32(x[j]); }
 
 // dot[r] += the products of groups 4s .. 4s + 3 (inputs 16s .. 16s + 15) with row r's activation codes X[r], in
-// int32 lanes, one per channel. Exact: int16 lanes hold unsigned codes' four products (<= 4 * 31 * 127), narrow
-// codes' (+ 32) two (<= 2 * 2 * 63 * 127) and signed magnitudes' one pair (<= 2 * 128 * 127).
+// int32 lanes, one per channel. Exact: an int16 lane holds the pairs of products of four groups of unsigned codes
+// (<= 4 * 2 * 31 * 127), of two groups of narrow codes + 32 (<= 2 * 2 * 63 * 127) or of one group of signed
+// magnitudes (<= 2 * 128 * 127).
 template <Form F, int R>
 AVX2 inline void add_dot16_avx2(const uint8_t* p, const int32_t* const* x, int s, __m256i* dot) {
   const __m256i ones = _mm256_set1_epi16(1);
