@@ -45,7 +45,7 @@ class BlockLinear(torch.nn.Module):
         if self.isa is None or not isa_supported(self.isa):  # loading the kernels registers the op
             raise RuntimeError(f"block-quantised Linear layers need a CPU with {isa or 'AVX2 or AVX512-VNNI'}, a C++ "
                                "compiler to build their kernel, and SPECSERVE_CPU_ISA not 'none'")
-        self.register_buffer("codes", codes)  # [N / 16, K / 32, 64 * bits] uint8
+        self.register_buffer("codes", codes)  # [N / 16, K / 32, 256 (bits 4) or 512] uint8
         self.register_buffer("scales", scales)  # [N / 16, K / 32, 32 / sub, 16] float32
         self.register_buffer("mins", mins)  # [N / 16, K / 32, 16] float32, or None (signed codes)
         self.bits = bits  # unsigned: 4 or 8; signed: 8, or 6 where every code lies in -32..31 (NARROW)
