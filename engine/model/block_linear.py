@@ -57,7 +57,7 @@ class BlockLinear(torch.nn.Module):
     def from_blocks(cls, weights: BlockWeights, isa: str | None = None) -> BlockLinear:
         """WEIGHTS packed into tiles. An N that is not a multiple of 16 (an odd vocabulary) is padded with zero
         weights whose outputs are dropped. ISA picks the kernel's variant (default: cpu_isa())."""
-        _check(weights)
+        code_range = _check(weights)
         num_out, num_in = weights.shape
         pad = -num_out % TILE
         tiles, blocks = (num_out + pad) // TILE, num_in // BLOCK
@@ -69,7 +69,7 @@ class BlockLinear(torch.nn.Module):
         packed = grouped.reshape(tiles, blocks, -1).contiguous()
         scales = _tiled(weights.scales, tiles, BLOCK // weights.sub)
         mins = None if weights.signed else _tiled(weights.mins, tiles, 1).reshape(tiles, blocks, TILE)
-        return cls(packed, scales, mins, _kernel_bits(weights), weights.sub, out_features=num_out, isa=isa)
+        return cls(packed, scales, mins, _kernel_bits(weights, code_range), weights.sub, out_features=num_out, isa=isa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -97,9 +97,9 @@ def concatenate(parts: list[BlockLinear]) -> BlockLinear:
     return BlockLinear(codes, scales, mins, bits, first.sub, isa=first.isa)
 
 
-def _check(weights: BlockWeights) -> None:
-    """ValueError unless WEIGHTS are a form the kernel multiplies exactly (the code ranges keep AVX2's int16
-    products from saturating)."""
+def _check(weights: BlockWeights) -> tuple[int, int] | None:
+    """The codes' least and greatest values (None: no codes); ValueError unless WEIGHTS are a form the kernel
+    multiplies exactly (the code ranges keep AVX2's int16 products from saturating)."""
     num_out, num_in = weights.shape
     if num_in % BLOCK:
         raise ValueError(f"block-quantised Linear layers need inputs in whole blocks of {BLOCK}, got {num_in}")
@@ -112,19 +112,20 @@ def _check(weights: BlockWeights) -> None:
                          f"sub={weights.sub} (unsigned: bits 4 or 8, sub 32; signed: bits 8, sub 16 or 32)")
     if weights.codes.dtype.is_floating_point or weights.codes.dtype == torch.bool:
         raise ValueError(f"codes must be integers, got {weights.codes.dtype}")
-    if weights.codes.numel() and not low <= int(weights.codes.min()) <= int(weights.codes.max()) <= high:
+    code_range = (int(weights.codes.min()), int(weights.codes.max())) if weights.codes.numel() else None
+    if code_range is not None and not low <= code_range[0] <= code_range[1] <= high:
         raise ValueError(f"codes must lie in {low}..{high} for this form")
     if weights.scales.shape != (num_out, num_in // weights.sub):
         raise ValueError(f"scales must be [{num_out}, {num_in // weights.sub}], got {list(weights.scales.shape)}")
     if weights.mins is not None and weights.mins.shape != (num_out, num_in // BLOCK):
         raise ValueError(f"mins must be [{num_out}, {num_in // BLOCK}], got {list(weights.mins.shape)}")
+    return code_range
 
 
-def _kernel_bits(weights: BlockWeights) -> int:
-    """The bits the kernel is told: signed codes that all lie in NARROW (Q5_0's, Q6_K's) are 6, which lets AVX2
-    multiply them as small unsigned numbers (engine/model/csrc/block_linear.cpp); otherwise the weights' own."""
-    if weights.signed and weights.codes.numel() and NARROW[0] <= int(weights.codes.min()) <= int(
-            weights.codes.max()) <= NARROW[1]:
+def _kernel_bits(weights: BlockWeights, code_range: tuple[int, int] | None) -> int:
+    """The bits the kernel is told: signed codes whose CODE_RANGE lies in NARROW (Q5_0's, Q6_K's) are 6, which lets
+    AVX2 multiply them as small unsigned numbers (engine/model/csrc/block_linear.cpp); otherwise the weights' own."""
+    if weights.signed and code_range is not None and NARROW[0] <= code_range[0] <= code_range[1] <= NARROW[1]:
         return 6
     return weights.bits
 
