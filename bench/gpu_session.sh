@@ -31,6 +31,7 @@ case $stage in
 roofline)
     timeout "${TESTS_SECONDS:-150}" python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine.py::test_cuda_graphs_leave_greedy_output_unchanged \
         tests/engine/test_engine.py::test_greedy_speculation_on_cuda_equals_plain_decoding \
+        tests/engine/test_engine.py::test_seeded_sampling_on_cuda_gives_the_same_tokens_with_and_without_speculation \
         tests/engine/model/test_triton_attention.py tests/engine/model/test_cuda_graphs.py \
         tests/engine/model/test_triton_ops.py \
         tests/engine/model/test_packed_runner.py::test_flash_backend_matches_sdpa_on_cuda_with_a_tree_in_the_batch \

@@ -212,6 +212,27 @@ def test_cuda_graphs_leave_greedy_output_unchanged(tiny_model_dir, drafter):
         assert with_graphs[f"req-{i}"].new_token_ids == without[f"req-{i}"].new_token_ids, i
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="exercises the CUDA path; needs a CUDA device")
+@pytest.mark.parametrize("drafter", ["copyspec", "ngram"])
+def test_seeded_sampling_on_cuda_gives_the_same_tokens_with_and_without_speculation(tiny_model_dir, drafter):
+    """On a GPU the runner samples each row at its depth's uniform and only ids reach the host: chains (copyspec)
+    and trees (n-grams) must walk those draws to exactly the tokens plain sampling draws, graphs replaying."""
+    batch = prompts(8, seed=13)
+    params = [SamplingParams(temperature=0.7, top_k=30, top_p=0.9, seed=70 + i, max_tokens=60, ignore_eos=True)
+              for i in range(len(batch))]
+    plain, speculative = (cuda_engine(tiny_model_dir, d, "triton", "float32") for d in ("none", drafter))
+    assert plain.runner.samples_on_device and speculative.runner.graphs is not None
+    if drafter == "ngram":  # the bigram table builds in the background
+        assert speculative.speculation.drafter.bigram.wait(60) is not None
+    reference = run_to_completion(plain, batch, params)
+    outputs = run_to_completion(speculative, batch, params)
+    assert sum(o.spec.num_accepted_tokens for o in outputs.values()) > 0, "drafts must be accepted"
+    assert sum(o.spec.num_draft_tokens - o.spec.num_accepted_tokens for o in outputs.values()) > 0, "and rejected"
+    for i in range(len(batch)):
+        assert outputs[f"req-{i}"].new_token_ids == reference[f"req-{i}"].new_token_ids, i
+
+
 @pytest.fixture(scope="module")
 def pld_engines(tiny_model_dir, tmp_path_factory):
     from scheduler.config import SchedulerConfig
