@@ -136,15 +136,15 @@ class LeanDecoder:
         norm (the final norm after the last), the residual add and the norm one call."""
         first = self.layers[0].input_norm
         normed = self.ops.rms_norm(hidden, first.weight, first.eps)
-        pool, whole_layer = packed.pool, torch.ops.specserve.decoder_layer
+        pool = packed.pool
         for layer, next_norm in zip(self.layers, self.next_norms):
             spans = in_place_spans(packed, layer.sliding_window, hidden.shape[0]) if layer.whole_layer_args else None
             if spans is None:
                 normed = self._fused_layer(layer, hidden, normed, next_norm, *rotations[layer.rotary_type], packed)
             else:
-                normed = whole_layer(hidden, normed, *rotations[layer.rotary_type], packed.write_slots, *spans,
-                                     pool.layer_keys[layer.index], pool.layer_values[layer.index],
-                                     *layer.whole_layer_args)
+                normed = torch.ops.specserve.decoder_layer(  # the CPU's whole-layer kernel
+                    hidden, normed, *rotations[layer.rotary_type], packed.write_slots, *spans,
+                    pool.layer_keys[layer.index], pool.layer_values[layer.index], *layer.whole_layer_args)
             if packed.hidden_index is not None and packed.hidden_layer == layer.index + 1:
                 packed.captured_hidden = hidden[packed.hidden_index].float().cpu()
         return normed
