@@ -2,13 +2,14 @@
 # The checks of one session on a lent GPU machine, run from the repository root: bench/README.md "On a GPU".
 #   bash bench/gpu_session.sh roofline   # nvidia-smi, the gpu-marked tests, `specserve bench roofline`
 #   bash bench/gpu_session.sh default    # the default model's MT-Redundant run with every drafter and the HF peer
+#   bash bench/gpu_session.sh concurrency  # the default model's HTTP server under 1, 16, 64 clients
 # Python packages the machine lacks travel as wheels in .whl/ (installed into /tmp/site); the default model's GGUF
 # travels in pieces (.gpu/*/smol.part*), kept in /root/gguf-pieces between calls while the machine stays warm.
 # Results go under $OUT (at most 8 files come back per call). bench/gpu_prepare.sh makes .whl/ and .gpu/ here first;
 # then one `run` carries .whl and .gpu/a with `roofline`, the next (within the 30 s the machine stays warm) .gpu/b
 # with `default`.
 set -u
-stage=${1:?roofline or default}
+stage=${1:?roofline, default or concurrency}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out" /tmp/site /root/gguf-pieces
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site TOKENIZERS_PARALLELISM=false
@@ -43,5 +44,10 @@ default)
     timeout "${DEFAULT_SECONDS:-300}" python3 -m specserve bench mt-redundant --device cuda \
         --dtype float32 --drafters none,copyspec,ngram,spectra,pld,pld-plus,hf-pld --peer-turns 2 --limit "${LIMIT:-5}" \
         --out "$out/mt" 2>&1 | tee "$out/mt.log" | grep -v "it/s\]$" | tail -30
+    ;;
+concurrency)
+    timeout "${CONCURRENCY_SECONDS:-200}" python3 -m specserve bench concurrency --device cuda --concurrency 1,16,64 \
+        --limit 64 --max-new-tokens 128 --requests-per-client 2 --drafters none,copyspec --peers '' \
+        --out "$out/concurrency" 2>&1 | tee "$out/concurrency.log" | grep -v "it/s\]$" | tail -30
     ;;
 esac

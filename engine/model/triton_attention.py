@@ -5,11 +5,15 @@ A row is one new token: its query, its sequence's block table, the sequence's ca
 of the step's new entries it sees (`ancestors`, a bit each: a chain's rows up to itself, a tree node's path; tree
 nodes' entries lie in list order after the cached ones, engine/model/forward.py). A layer's sliding window counts back
 from the row's position over the cached entries (whose KV indices are their positions); the new entries a row sees
-are within any window wider than MAX_PAGED_ROWS_QUERY_LEN, which the runner checks. One program per (row, KV head)
-computes the rows of the query heads that share the KV head together, with an online softmax over tiles of keys, in
-float32. Each row is computed
-alone, whatever else is in the batch, so its output does not depend on the batch (and the kernel has fixed shapes
-once the rows' count and the block tables' width are fixed: CUDA graphs capture it, engine/model/cuda_graphs.py).
+are within any window wider than MAX_PAGED_ROWS_QUERY_LEN, which the runner checks.
+
+Programs per (row, KV head, split): each computes the query heads that share the KV head together, with an online
+softmax over tiles of keys in float32, over its split of the row's keys; a second kernel rescales the splits to their
+common max and sums them (vLLM's paged attention v2 and flash-decoding do the same). One decoding row of an 8-KV-head
+model would otherwise keep 8 of a GPU's ~100 SMs busy reading its whole context. A row's splits depend on its own key
+count alone, so each row's output does not depend on the rest of the batch, and a chain's row at a position equals
+the decoding row there; the kernels have fixed shapes once the rows' count and the block tables' width are fixed:
+CUDA graphs capture them (engine/model/cuda_graphs.py).
 Imported only where the runner attends on a GPU; `TRITON_INTERPRET=1` runs it on a CPU (tests/engine/model).
 """
 from __future__ import annotations
@@ -21,22 +25,33 @@ import triton.language as tl
 from engine.model.attention_layout import PagedRows
 
 KEYS_PER_TILE = 64
+SPLITS = 16  # programs per (row, KV head) on a GPU, each over its own range of the row's keys: a long row spreads
+INTERPRETER_SPLITS = 2  # Triton's interpreter (the CPU tests) runs every program in Python: the same code, fewer
 NO_WINDOW = 2**30  # the window of a layer without one: wider than any context
 
 
 @triton.jit
 def _paged_rows_kernel(
-    query, keys, values, out, row_index, block_tables, num_cached, key_end, ancestors, positions, scale, window,
-    stride_q_row, stride_q_head, stride_k_slot, stride_k_head, stride_o_row, stride_o_head, stride_table,
-    heads_per_kv_head: tl.constexpr, head_dim: tl.constexpr, block_size: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    query, keys, values, part_acc, part_max, part_sum, row_index, block_tables, num_cached, key_end, ancestors,
+    positions, scale, window,
+    stride_q_row, stride_q_head, stride_k_slot, stride_k_head, stride_table,
+    num_heads: tl.constexpr, heads_per_kv_head: tl.constexpr, head_dim: tl.constexpr, block_size: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    program, kv_head = tl.program_id(0), tl.program_id(1)
+    """One split of one row's keys for the query heads of one KV head: its softmax's running max, sum and weighted
+    values, unnormalised, into the partial buffers [row, head, split(, dim)] (an empty split: max -inf, sum 0, no
+    values). A row's splits are tiles of its own keys' indices, sized by its key count alone, so a row's result
+    does not depend on the batch; a row of at most KEYS_PER_TILE keys has one split."""
+    program, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = tl.load(row_index + program)
     cached = tl.load(num_cached + program)
     count = tl.load(key_end + program)
     seen = tl.load(ancestors + program)
     start = tl.maximum(tl.load(positions + program) - window + 1, 0)
+    split_keys = tl.maximum(tl.cdiv(tl.cdiv(count, NUM_SPLITS), BLOCK_N), 1) * BLOCK_N
+    low = tl.maximum(split * split_keys, (start // BLOCK_N) * BLOCK_N)
+    high = tl.minimum((split + 1) * split_keys, count)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kv_head * heads_per_kv_head + g
@@ -45,8 +60,7 @@ def _paged_rows_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    first = (start // BLOCK_N) * BLOCK_N
-    for tile in range(first, count, BLOCK_N):
+    for tile in range(low, high, BLOCK_N):
         index = tile + tl.arange(0, BLOCK_N)
         new_bit = (seen >> tl.maximum(index - cached, 0).to(tl.int64)) & 1
         valid = (index >= start) & (index < count) & ((index < cached) | (new_bit == 1))
@@ -60,14 +74,50 @@ def _paged_rows_kernel(
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of keys the row does not see: weights 0
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    result = acc / l_i[:, None]
-    tl.store(out + row * stride_o_row + heads[:, None] * stride_o_head + d[None, :], result.to(out.dtype.element_ty),
-             mask=q_mask)
+    stats = (program * num_heads + heads) * NUM_SPLITS + split
+    tl.store(part_max + stats, m_i, mask=g < heads_per_kv_head)
+    tl.store(part_sum + stats, l_i, mask=g < heads_per_kv_head)
+    tl.store(part_acc + stats[:, None] * head_dim + d[None, :], acc,
+             mask=q_mask & (tl.zeros([BLOCK_G, 1], tl.int32) + low < high))
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out, part_acc, part_max, part_sum, row_index, stride_o_row, stride_o_head,
+    num_heads: tl.constexpr, heads_per_kv_head: tl.constexpr, head_dim: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """One row's query heads of one KV head: their splits' partial softmaxes rescaled to their common max and summed
+    in split order. A row whose keys all lie in one split gets that split's acc / sum unchanged (the others weigh
+    exactly 0)."""
+    program, kv_head = tl.program_id(0), tl.program_id(1)
+    row = tl.load(row_index + program)
+    g = tl.arange(0, BLOCK_G)
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * heads_per_kv_head + g
+    head_mask = g < heads_per_kv_head
+    stats = (program * num_heads + heads) * NUM_SPLITS  # [G] each head's first split
+    maxes = tl.load(part_max + stats[:, None] + s[None, :], mask=head_mask[:, None], other=0.0)
+    weights = tl.exp(maxes - tl.max(maxes, axis=1)[:, None])
+    total = tl.sum(tl.load(part_sum + stats[:, None] + s[None, :], mask=head_mask[:, None], other=0.0) * weights,
+                   axis=1)
+    total = tl.where(head_mask, total, 1.0)  # the padding heads' lanes, never stored
+    out_mask = head_mask[:, None] & (d[None, :] < head_dim)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for split in tl.static_range(NUM_SPLITS):
+        weight = tl.sum(tl.where(s[None, :] == split, weights, 0.0), axis=1)  # [G]
+        used = out_mask & (weight[:, None] > 0)  # an empty split wrote no values
+        acc += tl.load(part_acc + (stats[:, None] + split) * head_dim + d[None, :], mask=used, other=0.0) * (
+            weight[:, None])
+    tl.store(out + row * stride_o_row + heads[:, None] * stride_o_head + d[None, :],
+             (acc / total[:, None]).to(out.dtype.element_ty), mask=out_mask)
 
 
 def paged_rows_attention(
@@ -81,13 +131,21 @@ def paged_rows_attention(
         return
     heads, head_dim = query.shape[1], query.shape[2]
     kv_heads = keys.shape[1]
-    grid = (num_rows, kv_heads)
-    _paged_rows_kernel[grid](
-        query, keys, values, out, rows.row_index, rows.block_tables, rows.num_cached, rows.key_end, rows.ancestors,
-        rows.positions, scaling, window or NO_WINDOW,
-        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), out.stride(0), out.stride(1),
-        rows.block_tables.stride(0),
-        heads_per_kv_head=heads // kv_heads, head_dim=head_dim, block_size=block_size,
-        BLOCK_G=max(16, triton.next_power_of_2(heads // kv_heads)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_N=KEYS_PER_TILE, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    splits = SPLITS if query.is_cuda else INTERPRETER_SPLITS
+    part_acc = torch.empty(num_rows, heads, splits, head_dim, dtype=torch.float32, device=query.device)
+    part_max, part_sum = (torch.empty(num_rows, heads, splits, dtype=torch.float32, device=query.device)
+                          for _ in range(2))
+    block_g, block_d = max(16, triton.next_power_of_2(heads // kv_heads)), max(16, triton.next_power_of_2(head_dim))
+    _paged_rows_kernel[(num_rows, kv_heads, splits)](
+        query, keys, values, part_acc, part_max, part_sum, rows.row_index, rows.block_tables, rows.num_cached,
+        rows.key_end, rows.ancestors, rows.positions, scaling, window or NO_WINDOW,
+        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), rows.block_tables.stride(0),
+        num_heads=heads, heads_per_kv_head=heads // kv_heads, head_dim=head_dim, block_size=block_size,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=KEYS_PER_TILE,
+        NUM_SPLITS=splits, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
+    _combine_splits_kernel[(num_rows, kv_heads)](
+        out, part_acc, part_max, part_sum, rows.row_index, out.stride(0), out.stride(1),
+        num_heads=heads, heads_per_kv_head=heads // kv_heads, head_dim=head_dim, BLOCK_G=block_g, BLOCK_D=block_d,
+        NUM_SPLITS=splits,
     )

@@ -58,6 +58,28 @@ def test_rows_attend_what_they_see_wherever_their_blocks_lie(window):
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 150])
+def test_a_long_row_split_over_its_keys_equals_the_reference(window, monkeypatch):
+    """Rows of a few hundred keys spread over every split (some empty, some before the window) and are recombined;
+    on a CPU too with as many splits as on a GPU."""
+    from engine.model import triton_attention
+
+    monkeypatch.setattr(triton_attention, "INTERPRETER_SPLITS", triton_attention.SPLITS)
+    generator = torch.Generator().manual_seed(4)
+    heads, kv_heads, head_dim, num_blocks = 4, 1, 16, 180
+    keys, values = (torch.randn(num_blocks * BLOCK_SIZE, kv_heads, head_dim, generator=generator).to(DEVICE)
+                    for _ in range(2))
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    items = [chain_item([0] * 3, 500, order[:126], BLOCK_SIZE, 3), chain_item([0], 200, order[126:177], BLOCK_SIZE)]
+    starts = [0, 3]
+    query = torch.randn(4, heads, head_dim, generator=generator).to(DEVICE)
+    out = torch.full_like(query, float("nan"))
+    triton_attention.paged_rows_attention(query, keys, values, paged_rows(list(zip(starts, items)), BLOCK_SIZE,
+                                          query.device), 0.2, window, out, BLOCK_SIZE)
+    expected = reference(query.cpu(), keys.cpu(), values.cpu(), items, starts, 0.2, window)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_the_triton_backend_gives_the_sdpa_backends_logits_beside_a_tree_and_a_prefill(tiny_model_dir):
     logits = {}
     for backend in ("sdpa", "triton"):
