@@ -37,8 +37,12 @@ def reference(query, keys, values, items, starts, scale, window):
     return out
 
 
+@pytest.mark.parametrize("processors", [8, 64], ids=["one-pass", "split"])  # 16 rows x 2 KV heads: 2 splits
 @pytest.mark.parametrize("window", [None, 9])
-def test_rows_attend_what_they_see_wherever_their_blocks_lie(window):
+def test_rows_attend_what_they_see_wherever_their_blocks_lie(window, processors, monkeypatch):
+    from engine.model import triton_attention
+
+    monkeypatch.setattr(triton_attention, "INTERPRETER_PROCESSORS", processors)
     generator = torch.Generator().manual_seed(3)
     heads, kv_heads, head_dim, num_blocks = 6, 2, 24, 40  # head_dim not a power of two: masked lanes
     keys, values = (torch.randn(num_blocks * BLOCK_SIZE, kv_heads, head_dim, generator=generator).to(DEVICE)
@@ -50,10 +54,8 @@ def test_rows_attend_what_they_see_wherever_their_blocks_lie(window):
     starts = [0, 1, 5, 10]
     query = torch.randn(12, heads, head_dim, generator=generator).to(DEVICE)
     out = torch.full_like(query, float("nan"))
-    from engine.model.triton_attention import paged_rows_attention  # after the conftest chose the interpreter
-
-    paged_rows_attention(query, keys, values, paged_rows(list(zip(starts, items)), BLOCK_SIZE, query.device), 0.2,
-                         window, out, BLOCK_SIZE)
+    triton_attention.paged_rows_attention(query, keys, values, paged_rows(list(zip(starts, items)), BLOCK_SIZE,
+                                          query.device), 0.2, window, out, BLOCK_SIZE)
     expected = reference(query.cpu(), keys.cpu(), values.cpu(), items, starts, 0.2, window)
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
@@ -64,7 +66,8 @@ def test_a_long_row_split_over_its_keys_equals_the_reference(window, monkeypatch
     on a CPU too with as many splits as on a GPU."""
     from engine.model import triton_attention
 
-    monkeypatch.setattr(triton_attention, "INTERPRETER_SPLITS", triton_attention.SPLITS)
+    monkeypatch.setattr(triton_attention, "INTERPRETER_PROCESSORS", 1024)  # 4 rows: 16 splits, as at batch 1 on a GPU
+    assert triton_attention.num_splits(4, 1, torch.device("cpu")) == triton_attention.MAX_SPLITS
     generator = torch.Generator().manual_seed(4)
     heads, kv_heads, head_dim, num_blocks = 4, 1, 16, 180
     keys, values = (torch.randn(num_blocks * BLOCK_SIZE, kv_heads, head_dim, generator=generator).to(DEVICE)
