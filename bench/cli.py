@@ -59,11 +59,14 @@ class Benchmark:
     serves_model: bool = True  # False: it builds its own models (no tokenizer of the served model is loaded)
 
 
-def comma_list(allowed: tuple[str, ...], first: str | None = None, what: str = "values") -> Callable[[str], tuple]:
-    """An argparse type: a comma list of ALLOWED names, FIRST (when given) always in it and first."""
+def comma_list(
+    allowed: tuple[str, ...], first: str | None = None, what: str = "values", may_be_empty: bool = False,
+) -> Callable[[str], tuple]:
+    """An argparse type: a comma list of ALLOWED names, FIRST (when given) always in it and first; '' an empty list
+    where MAY_BE_EMPTY (no peers)."""
     def parse(text: str) -> tuple[str, ...]:
         names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-        if not set(names) <= set(allowed) or (not names and first is None):
+        if not set(names) <= set(allowed) or (not names and first is None and not may_be_empty):
             raise argparse.ArgumentTypeError(f"{what} are {allowed}")
         return (first, *(n for n in names if n != first)) if first else names
     return parse
@@ -177,7 +180,7 @@ def add_concurrency_flags(parser: argparse.ArgumentParser) -> None:
     add_limit_flag(parser)
     parser.add_argument("--concurrency", type=parse_ints, default=(1, 4, 16, 32, 64), help="client counts")
     parser.add_argument("--requests-per-client", type=int, default=2, help="turn-2 requests per client and level")
-    parser.add_argument("--peers", type=comma_list(PEERS, what="peers"), default=PEERS[:1],
+    parser.add_argument("--peers", type=comma_list(PEERS, what="peers", may_be_empty=True), default=PEERS[:1],
                         help=f"peer servers from {PEERS}, or ''")
     parser.add_argument("--warm-prompts", action="store_true",
                         help="every server caches every prompt first (specserve: sessions on, a fresh session per "

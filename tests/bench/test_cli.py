@@ -39,3 +39,11 @@ def test_comma_lists_keep_the_baseline_first():
     args = build_parser().parse_args(["bench", "mt-redundant", "--drafters", "copyspec,none,ngram"])
     assert args.drafters == ("none", "copyspec", "ngram")
     assert build_parser().parse_args(["bench", "models", "--modes", "sv"]).modes == ("none", "sv")
+
+
+def test_peers_may_be_none_but_drafters_not():
+    assert build_parser().parse_args(["bench", "concurrency", "--peers", ""]).peers == ()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "concurrency", "--peers", "nonsense"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "roofline", "--sizes", ""])
