@@ -32,6 +32,9 @@ class SpecConfig:
         "SPECTRA: chains in its candidate pool (W), advanced through look-ahead rows as the planner allows; 0: none")})
     spectra_tau: float = field(default=0.9, metadata={"help": (  # drafters/spectra.py's TAU says why not 0.1
         "SPECTRA: a pool chain takes the most probable token its forward dictionary lacks when r > tau, r ~ U(0, 1)")})
+    spectra_index_mib: int = field(default=64, metadata={"help": (
+        "SPECTRA: host memory (MiB) of the index of finished responses every request drafts from, oldest out; "
+        "0: none (spectra-core never has one)")})
     num_draft_tokens: int = field(default=5, metadata={  # k, SV's setting
         "help": "draft model: tokens drafted per step at most (the goodput planner may draft fewer)"})
 
@@ -42,8 +45,8 @@ class SpecConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.spectra_n < 2:
             raise ValueError("spectra_n must be at least 2")
-        if self.spectra_pool < 0 or not 0.0 <= self.spectra_tau <= 1.0:
-            raise ValueError("spectra_pool must be at least 0 and spectra_tau within [0, 1]")
+        if self.spectra_pool < 0 or self.spectra_index_mib < 0 or not 0.0 <= self.spectra_tau <= 1.0:
+            raise ValueError("spectra_pool and spectra_index_mib must be at least 0 and spectra_tau within [0, 1]")
         if self.pld_plus_layer is not None and self.pld_plus_layer < 1:
             raise ValueError("pld_plus_layer must be at least 1")
         if self.pld_plus_num_heads is not None and self.pld_plus_num_heads < 1:

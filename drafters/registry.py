@@ -13,6 +13,7 @@ from drafters.ngram import NgramDrafter
 from drafters.none import NoDrafter
 from drafters.pld import PromptLookupDrafter
 from drafters.pld_plus import PldPlusDrafter
+from drafters.retrieval import SuffixIndex
 from drafters.spectra import SpectraDrafter
 
 
@@ -79,6 +80,13 @@ def model_bigram(context: DrafterContext) -> BackgroundTable:
 
 
 def _spectra(config: SpecConfig, context: DrafterContext) -> Drafter:
+    """SPECTRA with its traffic index (unless --spectra-index-mib 0)."""
+    traffic = SuffixIndex(config.spectra_index_mib * 2**20) if config.spectra_index_mib else None
+    return SpectraDrafter(config.spectra_n, config.spectra_guesses, config.spectra_pool, config.spectra_tau,
+                          traffic=traffic)
+
+
+def _spectra_core(config: SpecConfig, context: DrafterContext) -> Drafter:
     return SpectraDrafter(config.spectra_n, config.spectra_guesses, config.spectra_pool, config.spectra_tau)
 
 
@@ -93,6 +101,7 @@ _BUILDERS: dict[str, Callable[[SpecConfig, DrafterContext], Drafter]] = {
     "pld": _pld,
     "pld-plus": _pld_plus,
     "spectra": _spectra,
+    "spectra-core": _spectra_core,
 }
 
 DRAFTER_NAMES = tuple(_BUILDERS)

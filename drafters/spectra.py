@@ -1,4 +1,4 @@
-"""SPECTRA-core (Le et al. 2025, "SPECTRA: Faster LLM Inference with Optimized Internal and External
+"""SPECTRA (Le et al. 2025, "SPECTRA: Faster LLM Inference with Optimized Internal and External
 Speculation", Algorithm 1): guesses from two n-gram dictionaries of the conversation, searched both ways.
 
 - The forward dictionary maps a token to its recent continuations of up to N - 1 tokens: a list per token, capped
@@ -20,6 +20,10 @@ guesses are merged into one tree (drafters/tree.py), a token shared by several c
 acceptance estimates by kind and depth (drafters/ngram.py's RowRates) for the goodput planner. Sessions carry the
 dictionaries from one turn of a conversation to the next (drafters/corpus.py).
 
+SPECTRA-RETRIEVAL's guesses follow the core's: the continuations of the context's end in a retrieval index
+(drafters/retrieval.py). The index is the server's own traffic: every finished response joins one index shared by
+all requests and sessions, bounded in bytes, oldest out (`--spectra-index-mib`); `spectra-core` is the core alone.
+
 Defaults are the paper's Appendix B: N = 5 (5-grams), G = 15 guesses, 15 continuations per key, W = 15 pool
 chains; tau is read the other way round (TAU).
 """
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING, Sequence
 from drafters.base import TOKEN_BYTES, Computed, Draft, DraftableRequest, common_prefix_len
 from drafters.corpus import CorpusDrafter, SessionCorpus
 from drafters.ngram import RowRates
+from drafters.retrieval import SuffixIndex
 from drafters.tree import merge_rows
 
 if TYPE_CHECKING:
@@ -46,6 +51,12 @@ POOL_SIZE = 15  # W: chains in the candidate pool
 # paper's 0.1 as written refines 90 % of the time; here tokens per call fell as refining grew (bench/README.md,
 # SPECTRA), so the default reads the paper's 0.1 as the probability of refining: 0.9 as written
 TAU = 0.9
+# SPECTRA-RETRIEVAL's guesses, after the core's: the paper truncates core + retrieval to G, which drops retrieval
+# whenever the forward list is full; here the planner prices every row by its kind's measured acceptance, so up to
+# RETRIEVAL_GUESSES guesses of RETRIEVAL_TOKENS (CopySpec's |S|) join the tree beyond the core's G
+RETRIEVAL_GUESSES = 3
+RETRIEVAL_TOKENS = 10
+LONG_MATCH = 8  # a retrieval guess after a match this long is scored apart from the shorter ones
 
 
 class NgramDictionaries:
@@ -210,14 +221,19 @@ class Guess:
 
 
 class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
-    """SPECTRA-core: the dictionaries' guesses as one tree per step, and the candidate pool's chains offered as
-    look-ahead for the planner to carry or not."""
+    """SPECTRA: the dictionaries' guesses (SPECTRA-core), then the retrieval index's (TRAFFIC: every finished
+    response of every request; None: the core alone, `spectra-core`), as one tree per step, and the candidate pool's
+    chains offered as look-ahead for the planner to carry or not."""
 
     name = "spectra"
 
     def __init__(self, n: int = NGRAM, max_guesses: int = MAX_GUESSES, pool_size: int = POOL_SIZE,
-                 tau: float = TAU, per_key_cap: int = PER_KEY_CAP, seed: int = 0) -> None:
+                 tau: float = TAU, per_key_cap: int = PER_KEY_CAP, seed: int = 0,
+                 traffic: SuffixIndex | None = None) -> None:
         super().__init__(lambda: NgramDictionaries(n, per_key_cap))
+        self.name = "spectra" if traffic is not None else "spectra-core"
+        self.traffic = traffic
+        self._prompt_lengths: dict[str, int] = {}  # request id -> its prompt's tokens (its response follows)
         self.n = n
         self.max_guesses = max_guesses
         self.pool_size = pool_size
@@ -230,6 +246,7 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
 
     def begin(self, req: DraftableRequest, state: SessionCorpus[NgramDictionaries] | None = None) -> None:
         super().begin(req, state)
+        self._prompt_lengths[req.request_id] = len(req.all_token_ids)
         if self.pool_size:
             self._pools[req.request_id] = CandidatePool(req.all_token_ids, self.pool_size, self.n - 1, self.tau,
                                                         self.rng)
@@ -268,20 +285,35 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
         candidates += [Guess(guess, f"forward:rank{min(rank, 3)}" + (":pool" if from_pool else ""), from_pool)
                        for rank, (guess, from_pool) in enumerate(index.forward_guesses(token_ids[-1]))]
         covered: set[tuple[int, ...]] = set()
-        guesses = []
+        guesses: list[Guess] = []
+        self._take(candidates, self.max_guesses, covered, guesses)
+        if self.traffic is not None:
+            retrieved = [Guess(tokens, "retrieval:" + ("long" if match >= LONG_MATCH else "short"), False)
+                         for tokens, match in self.traffic.search(token_ids, RETRIEVAL_GUESSES, RETRIEVAL_TOKENS)]
+            self._take(retrieved, len(guesses) + RETRIEVAL_GUESSES, covered, guesses)
+        return guesses
+
+    @staticmethod
+    def _take(candidates: list[Guess], limit: int, covered: set[tuple[int, ...]], guesses: list[Guess]) -> None:
+        """Appends CANDIDATES to GUESSES, up to LIMIT guesses in all, leaving out those COVERED (a prefix of a guess
+        taken) and marking each taken one's prefixes covered."""
         for guess in candidates:
-            if len(guesses) == self.max_guesses:
+            if len(guesses) == limit:
                 break
             if guess.token_ids and tuple(guess.token_ids) not in covered:
                 covered.update(tuple(guess.token_ids[:end]) for end in range(1, len(guess.token_ids) + 1))
                 guesses.append(guess)
-        return guesses
 
     def finish(self, req: DraftableRequest) -> SessionCorpus | None:
+        """The request's response joins the traffic index, for every later request to draw on."""
         self._proposed.pop(req.request_id, None)
         self._pools.pop(req.request_id, None)
+        prompt_length = self._prompt_lengths.pop(req.request_id, len(req.all_token_ids))
+        if self.traffic is not None:
+            self.traffic.add(req.all_token_ids[prompt_length:])
         return super().finish(req)
 
     def state_bytes(self) -> int:
         pools = sum(len(pool.chains) * (self.n - 1) for pool in self._pools.values())
-        return super().state_bytes() + TOKEN_BYTES * pools
+        traffic = self.traffic.num_bytes if self.traffic is not None else 0
+        return super().state_bytes() + TOKEN_BYTES * pools + traffic

@@ -16,14 +16,18 @@ def context(tmp_path: Path, vocab=16) -> DrafterContext:
 
 
 def test_registry_builds_by_name(tmp_path):
-    assert DRAFTER_NAMES == ("none", "copyspec", "copyspec+draft", "draft", "ngram", "pld", "pld-plus", "spectra")
+    assert DRAFTER_NAMES == ("none", "copyspec", "copyspec+draft", "draft", "ngram", "pld", "pld-plus", "spectra",
+                             "spectra-core")
     assert isinstance(build_drafter(SpecConfig(drafter="none"), context(tmp_path)), NoDrafter)
     copy = build_drafter(SpecConfig(drafter="copyspec", copy_gamma=5, copy_max_tokens=7), context(tmp_path))
     assert (copy.gamma, copy.max_tokens) == (5, 7)
     ngram = build_drafter(SpecConfig(drafter="ngram", ngram_k=4, ngram_w=6), context(tmp_path))
     assert (ngram.k, ngram.w) == (4, 6) and ngram.bigram.wait(30) is not None
     spectra = build_drafter(SpecConfig(drafter="spectra", spectra_n=4, spectra_guesses=9), context(tmp_path))
-    assert (spectra.n, spectra.max_guesses) == (4, 9)
+    assert (spectra.n, spectra.max_guesses) == (4, 9) and spectra.traffic.max_bytes == 64 * 2**20
+    core = build_drafter(SpecConfig(drafter="spectra-core"), context(tmp_path))
+    assert core.traffic is None and core.name == "spectra-core"
+    assert build_drafter(SpecConfig(drafter="spectra", spectra_index_mib=0), context(tmp_path)).traffic is None
     assert (tmp_path / "tables").is_dir()
     plus = build_drafter(SpecConfig(drafter="pld-plus"), context(tmp_path))  # no calibration yet: hidden states
     assert plus.ranking == "hidden" and plus.captures.hidden_layer == 1 and plus.max_tokens == 70

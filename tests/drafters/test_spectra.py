@@ -91,7 +91,7 @@ def test_guesses_put_the_backward_one_first_cap_at_g_and_merge_into_one_tree():
     assert [g.kind for g in guesses] == ["backward", "forward:rank1", "forward:rank2"]  # rank 0 is [7, 8]: covered
     assert [g.token_ids for g in guesses[1:]] == [[5, 6], [2, 4]]
     draft = drafter.propose([req])[0]
-    assert draft.source == "spectra" and len(draft.acceptance) == len(draft) == 7 and draft.lookahead == ()
+    assert draft.source == "spectra-core" and len(draft.acceptance) == len(draft) == 7 and draft.lookahead == ()
     paths = {tuple(draft.token_ids[node] for node in path_to(draft.parents, leaf)) for leaf in range(len(draft))
              if leaf not in draft.parents}
     assert paths == {(7, 8, 0), (5, 6), (2, 4)}
@@ -178,3 +178,20 @@ def test_what_look_ahead_rows_earned_is_credited_per_row():
     drafter.extend(req, [6, 9])  # the target's tokens: both guessed tokens, and no other guess had them
     assert drafter.lookahead_yield.earned == 2
     assert drafter.lookahead_yield.per_row == (2 + prior * 64) / (2 + 64)
+
+
+def test_finished_responses_feed_the_traffic_index_that_later_requests_draw_on():
+    from drafters.retrieval import SuffixIndex
+
+    drafter = SpectraDrafter(n=3, max_guesses=1, pool_size=0, traffic=SuffixIndex(2**20))
+    first = Req("a", [50, 51])
+    drafter.begin(first)
+    first.all_token_ids += [7, 8, 9, 10, 11, 12]  # its response
+    drafter.finish(first)
+    assert drafter.traffic.num_documents == 1 and drafter.state_bytes() == drafter.traffic.num_bytes > 0
+    second = Req("b", [60, 1, 7, 8, 9, 1, 7, 8, 9])  # another conversation: its own 7 8 9 -> 1, and a's -> 10 11 12
+    drafter.begin(second)
+    guesses = drafter.guesses(drafter._corpora["b"].index, second.all_token_ids)
+    # the core's G = 1 guess first, then retrieval's beyond G
+    assert [(g.token_ids, g.kind) for g in guesses] == [([1, 7, 8], "backward"), ([10, 11, 12], "retrieval:short")]
+    assert drafter.propose([second])[0].source == "spectra"

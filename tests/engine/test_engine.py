@@ -64,6 +64,21 @@ def test_greedy_speculation_equals_plain_decoding(engines):
     assert engines["spectra"].speculation.drafter.lookahead_yield.rows > 0
 
 
+def test_spectra_drafts_from_earlier_responses_and_stays_exact(engines):
+    """A second run of the same prompts, each answer in the traffic index: retrieval guesses are tried and hit."""
+    batch = prompts(4, seed=21)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * len(batch)
+    reference = run_to_completion(engines["none"], batch, params)
+    drafter = engines["spectra"].speculation.drafter
+    for _ in range(2):
+        outputs = run_to_completion(engines["spectra"], batch, params)
+        for i, prompt in enumerate(batch):
+            ref, out = reference[f"req-{i}"].new_token_ids, outputs[f"req-{i}"].new_token_ids
+            assert divergence_verdict(engines["none"].runner.model, prompt, ref, out) != "mismatch", i
+    assert drafter.traffic.num_documents >= len(batch)
+    assert sum(drafter.rates.hits[(kind, 1)] for kind in ("retrieval:short", "retrieval:long")) > 0
+
+
 @pytest.mark.parametrize("drafter", ["copyspec", "ngram", "spectra"])
 def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(engines, drafter):
     batch = prompts(4, seed=3)
