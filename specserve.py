@@ -34,13 +34,18 @@ def add_calibrate_parser(commands) -> None:
     calibrate = commands.add_parser(
         "calibrate", help="build an artifact drafters derive from the served model, ahead of serving",
         description="bigram: the n-gram drafter's model bigram table; pld-plus: PLD+'s layer and heads; "
-                    "sv: Speculative Verification's acceptance tables (needs --draft-model and --companion-model)",
+                    "sv: Speculative Verification's acceptance tables (needs --draft-model and --companion-model); "
+                    "corpus: SPECTRA-retrieval's corpus of the samples the model finds likeliest",
     )
     calibrate.add_argument("artifact", choices=tuple(ARTIFACTS))
     calibrate.add_argument("--out", type=Path, default=None,
                            help="sv: also write the Brier scores and information gain here")
     calibrate.add_argument("--max-new-tokens", type=int, default=CalibrationOptions.max_new_tokens,
                            help="tokens of each calibration answer")
+    calibrate.add_argument("--corpus-keep", type=float, default=CalibrationOptions.corpus_keep,
+                           help="corpus: the fraction of each source's samples kept, lowest perplexity first")
+    calibrate.add_argument("--corpus-mib", type=int, default=CalibrationOptions.corpus_mib,
+                           help="corpus: MiB of retrieval index the kept samples may fill")
     add_engine_flags(calibrate)
     calibrate.set_defaults(run=calibrate_artifact)
 
@@ -50,7 +55,8 @@ def calibrate_artifact(args: argparse.Namespace) -> None:
     from server.cli import engine_config  # heavy: see build_parser
 
     logging.basicConfig(level=logging.INFO)
-    options = CalibrationOptions(args.max_new_tokens, args.out, "specserve " + shlex.join(sys.argv[1:]))
+    options = CalibrationOptions(args.max_new_tokens, args.out, "specserve " + shlex.join(sys.argv[1:]),
+                                 args.corpus_keep, args.corpus_mib)
     ARTIFACTS[args.artifact](engine_config(args, "none"), options)
 
 

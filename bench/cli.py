@@ -264,6 +264,8 @@ def add_spectra_flags(parser: argparse.ArgumentParser) -> None:
     add_limit_flag(parser, "10")
     parser.add_argument("--grid-limit", type=int, default=3,
                         help="questions per set of the pool-size and tau ablation (0: none)")
+    parser.add_argument("--agentic", type=int, default=40,
+                        help="requests of the agentic run, separate conversations over one JSON schema (0: none)")
 
 
 def add_models_flags(parser: argparse.ArgumentParser) -> None:

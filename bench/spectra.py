@@ -1,13 +1,17 @@
 """The SPECTRA benchmark, on the paper's sets (MT-Bench turn 1, HumanEval, GSM8K), single stream, greedy, in-process
 engines (drafters/spectra.py).
 
-- headline: `none`, `copyspec`, `ngram` and `spectra` with the goodput planner on (what users get), `spectra`
+- headline: `none`, `copyspec`, `ngram`, `spectra-core` and `spectra` (its retrieval indexes: the traffic and the
+  calibrated corpus) with the goodput planner on (what users get), `spectra`
   without its candidate pool (its dictionaries fed by the target's tokens alone), and `spectra` with the planner off
   (every guess verified and every pool chain carried each step: the paper's setting, for its tokens per call). Every
   question is answered by each variant in turn, in an order rotated from question to question, so that the ratios
   compare runs seconds apart. The look-ahead rows the planner let the pool add are reported per call.
 - ablation: `spectra` with the planner off over the pool size W and the refine threshold tau, on the first few
   questions of each set, for tokens per call.
+- agentic (`--agentic N`): N requests from separate conversations whose answers share one JSON schema
+  (bench/agentic.py), one after another, for `none`, `copyspec`, `spectra-core` and `spectra` (its traffic index on),
+  planner on: what the index of earlier responses adds.
 
 Every output is compared with `none`'s (near-tie rule, bench/exactness.py). Results: results.json (rows and a
 `summary` per phase, dataset and variant) and results.md.
@@ -25,6 +29,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from bench.agentic import agentic_prompts
 from bench.exactness import divergence_verdict
 from bench.ngram import DATASETS, first_turn_prompts
 from bench.runners import EngineRunner
@@ -51,8 +56,9 @@ class Variant:
         return f"spectra{pool}{tau} planner {'on' if self.planner else 'off'}"
 
 
-HEADLINE = (Variant("none"), Variant("copyspec"), Variant("ngram"), Variant("spectra", pool=0), Variant("spectra"),
-            Variant("spectra", planner=False))
+HEADLINE = (Variant("none"), Variant("copyspec"), Variant("ngram"), Variant("spectra-core"), Variant("spectra", pool=0),
+            Variant("spectra"), Variant("spectra", planner=False))
+AGENTIC = (Variant("none"), Variant("copyspec"), Variant("spectra-core"), Variant("spectra"))
 
 
 def make_runner(variant: Variant, config) -> EngineRunner:
@@ -126,7 +132,9 @@ def markdown(results: dict) -> str:
     for phase, title in (("headline", f"Headline: first {setup['headline_questions']} questions of each set, "
                                       f"{setup['max_tokens']} new tokens; speedup over `none` in the same run."),
                          ("ablation", f"Ablation (planner off, first {setup['ablation_questions']} questions): "
-                                      "the pool size W and the refine threshold tau.")):
+                                      "the pool size W and the refine threshold tau."),
+                         ("agentic", f"Agentic: {setup['agentic_requests']} requests from separate conversations, "
+                                     "one JSON schema, one after another, planner on (bench/agentic.py).")):
         entries = [s for s in results["summary"] if s["phase"] == phase]
         if not entries:
             continue
@@ -155,17 +163,23 @@ def write_results(rows: list[dict], setup: dict, out_dir: Path) -> dict:
 
 def run_spectra_benchmark(args, config, tokenizer, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
-    setup = {"headline_questions": args.limit or 10, "max_tokens": args.max_new_tokens,
+    setup = {"headline_questions": args.limit if args.limit is not None else 10, "max_tokens": args.max_new_tokens,
              "ablation_questions": args.grid_limit, "datasets": list(DATASETS),
-             "ablation_pools": list(ABLATION_POOLS), "ablation_taus": list(ABLATION_TAUS)}
-    prompts = {d: first_turn_prompts(tokenizer, d, setup["headline_questions"], args.data_dir) for d in DATASETS}
-    runners = {variant: make_runner(variant, config) for variant in HEADLINE}
-    reference_model = runners[Variant("none")].engine.runner.model
-    for runner in runners.values():  # one-off costs stay out of the measurements
-        runner.generate(prompts[DATASETS[0]][0][1], 8)
-    rows = run_phase("headline", prompts, runners, reference_model, args.max_new_tokens)
-    write_results(rows, setup, out_dir)
-    if args.grid_limit:
+             "ablation_pools": list(ABLATION_POOLS), "ablation_taus": list(ABLATION_TAUS),
+             "agentic_requests": args.agentic}
+    rows: list[dict] = []
+    if setup["headline_questions"]:
+        prompts = {d: first_turn_prompts(tokenizer, d, setup["headline_questions"], args.data_dir) for d in DATASETS}
+        runners = {variant: make_runner(variant, config) for variant in HEADLINE}
+        reference_model = runners[Variant("none")].engine.runner.model
+        for runner in runners.values():  # one-off costs stay out of the measurements
+            runner.generate(prompts[DATASETS[0]][0][1], 8)
+        rows += run_phase("headline", prompts, runners, reference_model, args.max_new_tokens)
+        write_results(rows, setup, out_dir)
+    if args.agentic:
+        rows += run_agentic(args, config, tokenizer)
+        write_results(rows, setup, out_dir)
+    if args.grid_limit and setup["headline_questions"]:
         none = runners[Variant("none")]
         runners.clear()
         gc.collect()
@@ -177,3 +191,18 @@ def run_spectra_benchmark(args, config, tokenizer, out_dir: Path) -> dict:
         few = {d: pairs[:args.grid_limit] for d, pairs in prompts.items()}
         rows += run_phase("ablation", few, ablation, reference_model, args.max_new_tokens)
     return write_results(rows, setup, out_dir)
+
+
+def run_agentic(args, config, tokenizer) -> list[dict]:
+    """The agentic phase, in engines of its own (a fresh traffic index): each variant warmed on an unrelated
+    prompt first."""
+    prompts = agentic_prompts(tokenizer, args.agentic)
+    runners = {variant: make_runner(variant, config) for variant in AGENTIC}
+    warm = first_turn_prompts(tokenizer, DATASETS[0], 1, args.data_dir)[0][1]
+    for runner in runners.values():
+        runner.generate(warm, 8)
+    rows = run_phase("agentic", {"agentic": prompts}, runners, runners[Variant("none")].engine.runner.model,
+                     args.max_new_tokens)
+    runners.clear()
+    gc.collect()
+    return rows

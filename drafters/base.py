@@ -125,6 +125,7 @@ class DrafterContext:
     draft_forward: ModelForward | None = None  # when the engine owns a draft model
     companion_forward: ModelForward | None = None  # the same over the companion model, when the engine owns one
     sv_tables: dict[bool, AcceptanceTable] = field(default_factory=dict)  # greedy? -> `specserve calibrate sv`'s table
+    spectra_corpus: list[list[int]] | None = None  # `specserve calibrate corpus`'s documents, if made
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -13,7 +13,7 @@ from drafters.ngram import NgramDrafter
 from drafters.none import NoDrafter
 from drafters.pld import PromptLookupDrafter
 from drafters.pld_plus import PldPlusDrafter
-from drafters.retrieval import SuffixIndex
+from drafters.retrieval import BYTES_PER_TOKEN, SuffixIndex
 from drafters.spectra import SpectraDrafter
 
 
@@ -80,10 +80,19 @@ def model_bigram(context: DrafterContext) -> BackgroundTable:
 
 
 def _spectra(config: SpecConfig, context: DrafterContext) -> Drafter:
-    """SPECTRA with its traffic index (unless --spectra-index-mib 0)."""
+    """SPECTRA with its traffic index (unless --spectra-index-mib 0) and the corpus `specserve calibrate corpus`
+    made for the served model, if any."""
     traffic = SuffixIndex(config.spectra_index_mib * 2**20) if config.spectra_index_mib else None
+    corpus = None
+    if context.spectra_corpus:
+        corpus = SuffixIndex(sum(BYTES_PER_TOKEN * len(document) for document in context.spectra_corpus))
+        for document in context.spectra_corpus:
+            corpus.add(document)
+    elif config.drafter == "spectra":
+        logger.info("no SPECTRA corpus for this model yet (`specserve calibrate corpus`): retrieval from the "
+                    "server's own responses only")
     return SpectraDrafter(config.spectra_n, config.spectra_guesses, config.spectra_pool, config.spectra_tau,
-                          traffic=traffic)
+                          traffic=traffic, corpus=corpus)
 
 
 def _spectra_core(config: SpecConfig, context: DrafterContext) -> Drafter:

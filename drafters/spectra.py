@@ -20,9 +20,11 @@ guesses are merged into one tree (drafters/tree.py), a token shared by several c
 acceptance estimates by kind and depth (drafters/ngram.py's RowRates) for the goodput planner. Sessions carry the
 dictionaries from one turn of a conversation to the next (drafters/corpus.py).
 
-SPECTRA-RETRIEVAL's guesses follow the core's: the continuations of the context's end in a retrieval index
-(drafters/retrieval.py). The index is the server's own traffic: every finished response joins one index shared by
-all requests and sessions, bounded in bytes, oldest out (`--spectra-index-mib`); `spectra-core` is the core alone.
+SPECTRA-RETRIEVAL's guesses follow the core's: the continuations of the context's end in two retrieval indexes
+(drafters/retrieval.py), the server's own traffic first (every finished response joins one index shared by all
+requests and sessions, bounded in bytes, oldest out: `--spectra-index-mib`), then the corpus `specserve calibrate
+corpus` kept for the served model (the paper's index: the samples the model finds likeliest). `spectra-core` is the
+core alone.
 
 Defaults are the paper's Appendix B: N = 5 (5-grams), G = 15 guesses, 15 continuations per key, W = 15 pool
 chains; tau is read the other way round (TAU).
@@ -221,18 +223,19 @@ class Guess:
 
 
 class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
-    """SPECTRA: the dictionaries' guesses (SPECTRA-core), then the retrieval index's (TRAFFIC: every finished
-    response of every request; None: the core alone, `spectra-core`), as one tree per step, and the candidate pool's
-    chains offered as look-ahead for the planner to carry or not."""
+    """SPECTRA: the dictionaries' guesses (SPECTRA-core), then the retrieval indexes' (TRAFFIC: every finished
+    response of every request; CORPUS: the calibrated corpus; neither: the core alone, `spectra-core`), as one tree
+    per step, and the candidate pool's chains offered as look-ahead for the planner to carry or not."""
 
     name = "spectra"
 
     def __init__(self, n: int = NGRAM, max_guesses: int = MAX_GUESSES, pool_size: int = POOL_SIZE,
                  tau: float = TAU, per_key_cap: int = PER_KEY_CAP, seed: int = 0,
-                 traffic: SuffixIndex | None = None) -> None:
+                 traffic: SuffixIndex | None = None, corpus: SuffixIndex | None = None) -> None:
         super().__init__(lambda: NgramDictionaries(n, per_key_cap))
-        self.name = "spectra" if traffic is not None else "spectra-core"
+        self.name = "spectra" if traffic is not None or corpus is not None else "spectra-core"
         self.traffic = traffic
+        self.corpus = corpus
         self._prompt_lengths: dict[str, int] = {}  # request id -> its prompt's tokens (its response follows)
         self.n = n
         self.max_guesses = max_guesses
@@ -287,10 +290,10 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
         covered: set[tuple[int, ...]] = set()
         guesses: list[Guess] = []
         self._take(candidates, self.max_guesses, covered, guesses)
-        if self.traffic is not None:
-            retrieved = [Guess(tokens, "retrieval:" + ("long" if match >= LONG_MATCH else "short"), False)
-                         for tokens, match in self.traffic.search(token_ids, RETRIEVAL_GUESSES, RETRIEVAL_TOKENS)]
-            self._take(retrieved, len(guesses) + RETRIEVAL_GUESSES, covered, guesses)
+        retrieved = [Guess(tokens, f"{source}:" + ("long" if match >= LONG_MATCH else "short"), False)
+                     for source, index in (("traffic", self.traffic), ("corpus", self.corpus)) if index is not None
+                     for tokens, match in index.search(token_ids, RETRIEVAL_GUESSES, RETRIEVAL_TOKENS)]
+        self._take(retrieved, len(guesses) + RETRIEVAL_GUESSES, covered, guesses)
         return guesses
 
     @staticmethod
@@ -315,5 +318,5 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
 
     def state_bytes(self) -> int:
         pools = sum(len(pool.chains) * (self.n - 1) for pool in self._pools.values())
-        traffic = self.traffic.num_bytes if self.traffic is not None else 0
-        return super().state_bytes() + TOKEN_BYTES * pools + traffic
+        indexes = sum(index.num_bytes for index in (self.traffic, self.corpus) if index is not None)
+        return super().state_bytes() + TOKEN_BYTES * pools + indexes

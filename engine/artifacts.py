@@ -7,6 +7,7 @@ loaded from, and weights served at another precision get artifacts of their own.
 - SV's acceptance tables: a companion model's estimate of each drafted token's acceptance,
   over equal-frequency bins of the draft-companion overlap S and the companion's
   acceptance A (SV §4), shrunk toward the table mean where a cell holds few tokens.
+- SPECTRA-retrieval's corpus: token documents the served model finds likeliest.
 """
 from __future__ import annotations
 
@@ -134,3 +135,28 @@ def load_sv_tables(cache_dir: Path, fingerprints: tuple[str, ...]) -> dict[bool,
     """greedy? -> the calibrated table, for the modes `specserve calibrate sv` has run."""
     tables = {greedy: SvTable.load(sv_table_path(cache_dir, fingerprints, greedy)) for greedy in (True, False)}
     return {greedy: table for greedy, table in tables.items() if table is not None}
+
+
+@dataclass
+class SpectraCorpus:
+    """SPECTRA-retrieval's corpus (`specserve calibrate corpus`): documents of token ids, lowest perplexity first."""
+
+    documents: list[list[int]]
+    perplexity_cutoff: float  # the highest perplexity kept
+    sources: dict[str, int]  # source -> documents kept from it
+    command: str = ""
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"format": CALIBRATION_FORMAT, **asdict(self)}))
+
+    @classmethod
+    def load(cls, path: Path) -> SpectraCorpus | None:
+        if not path.is_file():
+            return None
+        data = json.loads(path.read_text())
+        return cls(**data) if data.pop("format", None) == CALIBRATION_FORMAT else None
+
+
+def corpus_path(cache_dir: Path, model_fingerprint: str) -> Path:
+    return cache_dir / "corpus" / f"spectra-{model_fingerprint}.json"

@@ -10,7 +10,9 @@ import torch
 from drafters.base import DrafterContext
 from engine.artifacts import (
     PldPlusCalibration,
+    SpectraCorpus,
     calibration_path,
+    corpus_path,
     default_cache_dir,
     load_sv_tables,
     sv_fingerprints,
@@ -48,6 +50,7 @@ def drafter_context(
         draft_forward=draft_forward,
         companion_forward=companion_forward,
         sv_tables=sv_tables,
+        spectra_corpus=getattr(SpectraCorpus.load(corpus_path(cache_dir, fingerprint)), "documents", None),
     )
 
 

@@ -10,3 +10,5 @@ class CalibrationOptions:
     max_new_tokens: int = 192  # tokens of each calibration answer
     out: Path | None = None  # sv: also write the Brier scores and information gain here
     command: str = ""  # the command line, recorded in what `out` receives
+    corpus_keep: float = 0.5  # corpus: the fraction of each source's samples kept, lowest perplexity first
+    corpus_mib: int = 16  # corpus: the index the kept samples may fill (drafters/retrieval.py's bytes per token)

@@ -1,5 +1,6 @@
-"""Prompts for PLD+ calibration, written for it: input-guided tasks (rewrite, summarise, edit code, answer about a
-text) whose answers reuse spans of the prompt. None is taken from a benchmark set."""
+"""Prompts for calibration, written for it: input-guided tasks (rewrite, summarise, edit code, answer about a text)
+whose answers reuse spans of the prompt (PLD+), short chat questions (SV) and assorted tasks whose answers seed
+SPECTRA's retrieval corpus. None is taken from a benchmark set."""
 
 def chat_prompt_ids(tokenizer, texts: tuple[str, ...]) -> list[list[int]]:
     """Each text as the user's turn of a chat, rendered with the model's chat template, ready to answer."""
@@ -47,4 +48,21 @@ CHAT_PROMPTS = (
     "Give me some tips for learning a new language as an adult.",
     "What is the difference between weather and climate?",
     "Describe how bread rises when it is baked.",
+)
+
+# Assorted tasks written for SPECTRA's retrieval corpus (`specserve calibrate corpus`), with the ones above.
+CORPUS_PROMPTS = (
+    "Write a Python function that returns the largest even number in a list, or None when there is none.",
+    "Write a Python class for a bank account with deposit, withdraw and balance methods.",
+    "Explain what a Python list comprehension is, with two short examples.",
+    "Write a function that counts how many times each word appears in a sentence and returns a dictionary.",
+    "A shop sells pens at 3 dollars each. Tom buys 4 pens and pays with a 20 dollar note. How much change does he "
+    "get? Explain each step.",
+    "A train travels 120 kilometres in 2 hours. How far does it go in 5 hours at the same speed? Show your working.",
+    "List five ways to save water at home, one sentence each.",
+    "Write a polite email asking a colleague to review a document by Friday.",
+    "What are the main differences between a list and a tuple in Python?",
+    "Write a Python function that checks whether a string is a palindrome, ignoring case and spaces.",
+    "Describe the water cycle in four short steps.",
+    "Write a JSON object for a book with a title, an author, a year and a list of two genres.",
 )

@@ -193,5 +193,5 @@ def test_finished_responses_feed_the_traffic_index_that_later_requests_draw_on()
     drafter.begin(second)
     guesses = drafter.guesses(drafter._corpora["b"].index, second.all_token_ids)
     # the core's G = 1 guess first, then retrieval's beyond G
-    assert [(g.token_ids, g.kind) for g in guesses] == [([1, 7, 8], "backward"), ([10, 11, 12], "retrieval:short")]
+    assert [(g.token_ids, g.kind) for g in guesses] == [([1, 7, 8], "backward"), ([10, 11, 12], "traffic:short")]
     assert drafter.propose([second])[0].source == "spectra"

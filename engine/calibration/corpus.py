@@ -1,0 +1,119 @@
+"""SPECTRA-retrieval's corpus (`specserve calibrate corpus`): text that exists offline and is in no benchmark set,
+filtered by the served model's perplexity as the paper filters UltraChat and TheStack (Appendix B: the lowest-
+perplexity samples, for an index that is small and whose guesses the model accepts).
+
+Sources:
+- answers: the served model's own greedy answers to the prompts written for calibration
+  (engine/calibration/prompts.py), each scored given its prompt;
+- code: the Python source of standard-library modules shipped with the interpreter (code, docstrings and comments),
+  cut into samples of SAMPLE_TOKENS tokens.
+Each sample's perplexity is exp of its tokens' mean negative log-likelihood under the served model. The lowest
+`--corpus-keep` fraction of each source is kept (the threshold), lowest first, then as many of those as fit
+`--corpus-mib` of index (drafters/retrieval.py's bytes per token). The result is a JSON file in the model cache
+folder named by the weights' fingerprint (engine/artifacts.py), which `--drafter spectra` loads at start-up.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from drafters.retrieval import BYTES_PER_TOKEN
+from engine.artifacts import SpectraCorpus, corpus_path, weights_fingerprint
+from engine.calibration.options import CalibrationOptions
+from engine.calibration.prompts import CALIBRATION_PROMPTS, CHAT_PROMPTS, CORPUS_PROMPTS, chat_prompt_ids
+from engine.config import EngineConfig
+from engine.drafter_context import model_cache_dir
+from engine.engine import Engine
+from engine.model.tokenizer import load_tokenizer
+from engine.wire import EngineRequest, SamplingParams
+
+logger = logging.getLogger("specserve.engine")
+
+SAMPLE_TOKENS = 256
+STDLIB_MODULES = ("argparse", "calendar", "collections", "configparser", "csv", "dataclasses", "difflib",
+                  "fractions", "functools", "heapq", "json", "logging", "pathlib", "shlex", "statistics", "string",
+                  "textwrap", "urllib.parse")
+
+
+@dataclass
+class Sample:
+    source: str  # "answers" or "code"
+    context: list[int]  # what the sample is scored after (an answer's prompt; nothing for code)
+    token_ids: list[int]
+    perplexity: float = math.inf
+
+
+def perplexity(model: torch.nn.Module, context: list[int], token_ids: list[int]) -> float:
+    """exp of the mean negative log-likelihood of TOKEN_IDS after CONTEXT under MODEL (its first token unscored
+    when CONTEXT is empty)."""
+    ids = context + token_ids
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none")
+    scored = nll[max(len(context) - 1, 0):]
+    return float(torch.exp(scored.mean()))
+
+
+def select(samples: list[Sample], keep: float, max_bytes: int) -> tuple[list[Sample], float]:
+    """The lowest-perplexity KEEP fraction of each source, lowest first across sources, as many as fit MAX_BYTES of
+    index; and the highest perplexity kept."""
+    kept: list[Sample] = []
+    for source in sorted({s.source for s in samples}):
+        ranked = sorted((s for s in samples if s.source == source), key=lambda s: s.perplexity)
+        kept += ranked[:max(1, round(keep * len(ranked)))]
+    kept.sort(key=lambda s: s.perplexity)
+    chosen, used = [], 0
+    for sample in kept:
+        if used + BYTES_PER_TOKEN * len(sample.token_ids) <= max_bytes:
+            chosen.append(sample)
+            used += BYTES_PER_TOKEN * len(sample.token_ids)
+    return chosen, max((s.perplexity for s in chosen), default=0.0)
+
+
+def answer_samples(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[Sample]:
+    answers: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineRequest(f"corpus-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens)))
+    while engine.has_work:
+        for output in engine.step().outputs:
+            answers.setdefault(output.request_id, []).extend(output.new_token_ids)
+    return [Sample("answers", prompt, answers[f"corpus-{i}"]) for i, prompt in enumerate(prompts)
+            if len(answers.get(f"corpus-{i}", [])) > 1]
+
+
+def code_samples(tokenizer) -> list[Sample]:
+    samples = []
+    for module in STDLIB_MODULES:
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+            continue
+        ids = tokenizer(Path(spec.origin).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+        samples += [Sample("code", [], ids[start:start + SAMPLE_TOKENS])
+                    for start in range(0, len(ids) - SAMPLE_TOKENS // 2, SAMPLE_TOKENS)]
+    return samples
+
+
+def build_corpus(config: EngineConfig, options: CalibrationOptions) -> None:
+    """Answer the calibration prompts, cut the standard library's source into samples, score every sample's perplexity
+    under the served model, keep the lowest and save them for SPECTRA-retrieval."""
+    tokenizer = load_tokenizer(config.model)
+    engine = Engine(replace(config, spec=replace(config.spec, drafter="none")))
+    prompts = chat_prompt_ids(tokenizer, CALIBRATION_PROMPTS + CHAT_PROMPTS + CORPUS_PROMPTS)
+    samples = answer_samples(engine, prompts, options.max_new_tokens) + code_samples(tokenizer)
+    model = engine.runner.model
+    for i, sample in enumerate(samples):
+        if i % 50 == 0:
+            logger.info("corpus: perplexity of sample %d of %d", i + 1, len(samples))
+        sample.perplexity = perplexity(model, sample.context, sample.token_ids)
+    chosen, cutoff = select(samples, options.corpus_keep, options.corpus_mib * 2**20)
+    sources = {source: sum(s.source == source for s in chosen) for source in ("answers", "code")}
+    corpus = SpectraCorpus([s.token_ids for s in chosen], cutoff, sources, options.command)
+    path = corpus_path(model_cache_dir(config.model), weights_fingerprint(model, engine.weights))
+    corpus.save(path)
+    print(f"SPECTRA corpus: {len(chosen)} of {len(samples)} samples ({sources}), "
+          f"{sum(len(s.token_ids) for s in chosen)} tokens, perplexity at most {cutoff:.2f}\nsaved to {path}")

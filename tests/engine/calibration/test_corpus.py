@@ -1,0 +1,47 @@
+"""SPECTRA's retrieval corpus: perplexity under the served model, the lowest kept per source within the byte bound,
+and the artifact the drafter loads."""
+import math
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from drafters.retrieval import BYTES_PER_TOKEN
+from engine.artifacts import SpectraCorpus, corpus_path
+from engine.calibration.corpus import Sample, perplexity, select
+
+
+def test_perplexity_is_of_the_sample_given_its_context(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    context, tokens = [1, 5, 6], [7, 8, 9, 10]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([context + tokens])).logits[0].double().log_softmax(-1)
+    nll = [-logits[len(context) - 1 + i, token] for i, token in enumerate(tokens)]
+    assert math.isclose(perplexity(model, context, tokens), math.exp(sum(nll) / len(nll)), rel_tol=1e-4)
+    alone = [-logits[i, token] for i, token in enumerate((context + tokens)[1:])]  # no context: from the 2nd token
+    assert math.isclose(perplexity(model, [], context + tokens), math.exp(sum(alone) / len(alone)), rel_tol=1e-4)
+
+
+def test_the_lowest_fraction_of_each_source_is_kept_within_the_bound():
+    samples = [Sample("code", [], [i] * 10, perplexity=p) for i, p in enumerate((5.0, 1.0, 3.0, 9.0))]
+    samples += [Sample("answers", [], [i] * 10, perplexity=p) for i, p in enumerate((2.0, 8.0), start=10)]
+    chosen, cutoff = select(samples, keep=0.5, max_bytes=10**9)
+    assert [s.perplexity for s in chosen] == [1.0, 2.0, 3.0] and cutoff == 3.0  # 2 of 4 code, 1 of 2 answers
+    chosen, cutoff = select(samples, keep=0.5, max_bytes=BYTES_PER_TOKEN * 25)  # room for two samples
+    assert [s.perplexity for s in chosen] == [1.0, 2.0] and cutoff == 2.0
+
+
+def test_the_corpus_artifact_round_trips_and_feeds_spectra(tmp_path):
+    from drafters.config import SpecConfig
+    from drafters.registry import build_drafter
+    from tests.drafters.test_registry import context
+
+    documents = [[7, 8, 9, 10, 11, 12], [3, 4, 5, 6]]
+    SpectraCorpus(documents, 2.5, {"code": 1, "answers": 1}, "cmd").save(corpus_path(tmp_path, "fp"))
+    loaded = SpectraCorpus.load(corpus_path(tmp_path, "fp"))
+    assert loaded.documents == documents and loaded.perplexity_cutoff == 2.5
+    ctx = context(tmp_path)
+    ctx.spectra_corpus = loaded.documents
+    drafter = build_drafter(SpecConfig(drafter="spectra", spectra_index_mib=0, spectra_pool=0), ctx)
+    assert drafter.traffic is None and drafter.corpus.num_documents == 2 and drafter.name == "spectra"
+    guesses = drafter.guesses(drafter.new_index(), [60, 61, 7, 8, 9])
+    assert [(g.token_ids, g.kind) for g in guesses] == [([10, 11, 12], "corpus:short")]
