@@ -106,10 +106,15 @@ def build_corpus(config: EngineConfig, options: CalibrationOptions) -> None:
     prompts = chat_prompt_ids(tokenizer, CALIBRATION_PROMPTS + CHAT_PROMPTS + CORPUS_PROMPTS)
     samples = answer_samples(engine, prompts, options.max_new_tokens) + code_samples(tokenizer)
     model = engine.runner.model
-    for i, sample in enumerate(samples):
-        if i % 50 == 0:
-            logger.info("corpus: perplexity of sample %d of %d", i + 1, len(samples))
-        sample.perplexity = perplexity(model, sample.context, sample.token_ids)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")  # a plain forward over one sample, outside the engine's paged pool
+    try:
+        for i, sample in enumerate(samples):
+            if i % 50 == 0:
+                logger.info("corpus: perplexity of sample %d of %d", i + 1, len(samples))
+            sample.perplexity = perplexity(model, sample.context, sample.token_ids)
+    finally:
+        model.set_attn_implementation(previous)
     chosen, cutoff = select(samples, options.corpus_keep, options.corpus_mib * 2**20)
     sources = {source: sum(s.source == source for s in chosen) for source in ("answers", "code")}
     corpus = SpectraCorpus([s.token_ids for s in chosen], cutoff, sources, options.command)
