@@ -162,6 +162,7 @@ def write_results(rows: list[dict], setup: dict, out_dir: Path) -> dict:
 
 
 def run_spectra_benchmark(args, config, tokenizer, out_dir: Path) -> dict:
+    """The headline, the ablation and the agentic run, each phase's engines freed before the next one's start."""
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = {"headline_questions": args.limit if args.limit is not None else 10, "max_tokens": args.max_new_tokens,
              "ablation_questions": args.grid_limit, "datasets": list(DATASETS),
@@ -169,17 +170,22 @@ def run_spectra_benchmark(args, config, tokenizer, out_dir: Path) -> dict:
              "agentic_requests": args.agentic}
     rows: list[dict] = []
     if setup["headline_questions"]:
-        prompts = {d: first_turn_prompts(tokenizer, d, setup["headline_questions"], args.data_dir) for d in DATASETS}
-        runners = {variant: make_runner(variant, config) for variant in HEADLINE}
-        reference_model = runners[Variant("none")].engine.runner.model
-        for runner in runners.values():  # one-off costs stay out of the measurements
-            runner.generate(prompts[DATASETS[0]][0][1], 8)
-        rows += run_phase("headline", prompts, runners, reference_model, args.max_new_tokens)
-        write_results(rows, setup, out_dir)
+        rows += run_headline_and_ablation(args, config, tokenizer, setup, out_dir)
+        gc.collect()
     if args.agentic:
         rows += run_agentic(args, config, tokenizer)
-        write_results(rows, setup, out_dir)
-    if args.grid_limit and setup["headline_questions"]:
+    return write_results(rows, setup, out_dir)
+
+
+def run_headline_and_ablation(args, config, tokenizer, setup: dict, out_dir: Path) -> list[dict]:
+    prompts = {d: first_turn_prompts(tokenizer, d, setup["headline_questions"], args.data_dir) for d in DATASETS}
+    runners = {variant: make_runner(variant, config) for variant in HEADLINE}
+    reference_model = runners[Variant("none")].engine.runner.model
+    for runner in runners.values():  # one-off costs stay out of the measurements
+        runner.generate(prompts[DATASETS[0]][0][1], 8)
+    rows = run_phase("headline", prompts, runners, reference_model, args.max_new_tokens)
+    write_results(rows, setup, out_dir)
+    if args.grid_limit:
         none = runners[Variant("none")]
         runners.clear()
         gc.collect()
@@ -190,7 +196,7 @@ def run_spectra_benchmark(args, config, tokenizer, out_dir: Path) -> dict:
                          for tau in ABLATION_TAUS if tau != 0.1})
         few = {d: pairs[:args.grid_limit] for d, pairs in prompts.items()}
         rows += run_phase("ablation", few, ablation, reference_model, args.max_new_tokens)
-    return write_results(rows, setup, out_dir)
+    return rows
 
 
 def run_agentic(args, config, tokenizer) -> list[dict]:
