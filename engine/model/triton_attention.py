@@ -19,6 +19,8 @@ Imported only where the runner attends on a GPU; `TRITON_INTERPRET=1` runs it on
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -136,9 +138,11 @@ def paged_rows_attention(
     heads, head_dim = query.shape[1], query.shape[2]
     kv_heads = keys.shape[1]
     splits = num_splits(num_rows, kv_heads, query.device)
-    part_acc = torch.empty(num_rows, heads, splits, head_dim, dtype=torch.float32, device=query.device)
-    part_max, part_sum = (torch.empty(num_rows, heads, splits, dtype=torch.float32, device=query.device)
-                          for _ in range(2))
+    part_acc = part_max = part_sum = out  # one pass writes OUT itself: no partials
+    if splits > 1:
+        part_acc = torch.empty(num_rows, heads, splits, head_dim, dtype=torch.float32, device=query.device)
+        part_max, part_sum = (torch.empty(num_rows, heads, splits, dtype=torch.float32, device=query.device)
+                              for _ in range(2))
     block_g, block_d = max(16, triton.next_power_of_2(heads // kv_heads)), max(16, triton.next_power_of_2(head_dim))
     _paged_rows_kernel[(num_rows, kv_heads, splits)](
         query, keys, values, out, part_acc, part_max, part_sum, rows.row_index, rows.block_tables, rows.num_cached,
@@ -164,10 +168,14 @@ def num_splits(num_rows: int, kv_heads: int, device: torch.device) -> int:
     from 7.38 to 7.16 ms and made verification of 16-64 rows per step 15-50% dearer, partials and all. The count is
     a function of the rows' count rounded up to a power of two, so a CUDA graph (rows padded to its ladder size,
     engine/model/cuda_graphs.py) and the eager step it replaces split alike."""
-    processors = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
-                  else INTERPRETER_PROCESSORS)
+    processors = _multiprocessors(device.index) if device.type == "cuda" else INTERPRETER_PROCESSORS
     programs = triton.next_power_of_2(num_rows) * kv_heads
     splits = 1
     while splits < MAX_SPLITS and programs * splits * 2 <= processors:
         splits *= 2
     return splits
+
+
+@functools.cache
+def _multiprocessors(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
