@@ -24,13 +24,14 @@ import torch
 
 from drafters.retrieval import BYTES_PER_TOKEN
 from engine.artifacts import SpectraCorpus, corpus_path, weights_fingerprint
+from engine.calibration.answers import answers, plain_attention
 from engine.calibration.options import CalibrationOptions
 from engine.calibration.prompts import CALIBRATION_PROMPTS, CHAT_PROMPTS, CORPUS_PROMPTS, chat_prompt_ids
 from engine.config import EngineConfig
 from engine.drafter_context import model_cache_dir
 from engine.engine import Engine
 from engine.model.tokenizer import load_tokenizer
-from engine.wire import EngineRequest, SamplingParams
+from engine.wire import SamplingParams
 
 logger = logging.getLogger("specserve.engine")
 
@@ -76,14 +77,8 @@ def select(samples: list[Sample], keep: float, max_bytes: int) -> tuple[list[Sam
 
 
 def answer_samples(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[Sample]:
-    answers: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        engine.add_request(EngineRequest(f"corpus-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens)))
-    while engine.has_work:
-        for output in engine.step().outputs:
-            answers.setdefault(output.request_id, []).extend(output.new_token_ids)
-    return [Sample("answers", prompt, answers[f"corpus-{i}"]) for i, prompt in enumerate(prompts)
-            if len(answers.get(f"corpus-{i}", [])) > 1]
+    answered = answers(engine, prompts, [SamplingParams(temperature=0.0, max_tokens=max_tokens)] * len(prompts))
+    return [Sample("answers", prompt, answer) for prompt, answer in zip(prompts, answered) if len(answer) > 1]
 
 
 def code_samples(tokenizer) -> list[Sample]:
@@ -106,15 +101,11 @@ def build_corpus(config: EngineConfig, options: CalibrationOptions) -> None:
     prompts = chat_prompt_ids(tokenizer, CALIBRATION_PROMPTS + CHAT_PROMPTS + CORPUS_PROMPTS)
     samples = answer_samples(engine, prompts, options.max_new_tokens) + code_samples(tokenizer)
     model = engine.runner.model
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")  # a plain forward over one sample, outside the engine's paged pool
-    try:
+    with plain_attention((model,)):
         for i, sample in enumerate(samples):
             if i % 50 == 0:
                 logger.info("corpus: perplexity of sample %d of %d", i + 1, len(samples))
             sample.perplexity = perplexity(model, sample.context, sample.token_ids)
-    finally:
-        model.set_attn_implementation(previous)
     chosen, cutoff = select(samples, options.corpus_keep, options.corpus_mib * 2**20)
     sources = {source: sum(s.source == source for s in chosen) for source in ("answers", "code")}
     corpus = SpectraCorpus([s.token_ids for s in chosen], cutoff, sources, options.command)

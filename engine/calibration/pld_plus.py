@@ -22,12 +22,13 @@ from pathlib import Path
 import torch
 
 from engine.artifacts import PldPlusCalibration, calibration_path, default_cache_dir, weights_fingerprint
+from engine.calibration.answers import answers
 from engine.calibration.options import CalibrationOptions
 from engine.calibration.prompts import CALIBRATION_PROMPTS, chat_prompt_ids
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model.tokenizer import load_tokenizer
-from engine.wire import EngineRequest, SamplingParams
+from engine.wire import SamplingParams
 
 logger = logging.getLogger("specserve.engine")
 
@@ -157,18 +158,11 @@ def calibrate(traces: list[Traced]) -> PldPlusCalibration:
 def run_calibration(config, prompts: list[list[int]], max_tokens: int) -> tuple[PldPlusCalibration, Path]:
     """Answer PROMPTS greedily with the served model of CONFIG (an EngineConfig), calibrate, and save the result."""
     engine = Engine(replace(config, spec=replace(config.spec, drafter="none")))
-    answers: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        engine.add_request(
-            EngineRequest(f"calibrate-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-        )
-    while engine.has_work:
-        for output in engine.step().outputs:
-            answers.setdefault(output.request_id, []).extend(output.new_token_ids)
+    answered = answers(engine, prompts, [SamplingParams(temperature=0.0, max_tokens=max_tokens)] * len(prompts))
     traces = []
-    for i, prompt in enumerate(prompts):
+    for i, (prompt, answer) in enumerate(zip(prompts, answered)):
         logger.info("PLD+ calibration: tracing prompt %d of %d", i + 1, len(prompts))
-        traces.append(trace(engine.runner.model, prompt, answers[f"calibrate-{i}"]))
+        traces.append(trace(engine.runner.model, prompt, answer))
     calibration = calibrate(traces)
     cache_dir = Path(config.model.cache_dir) if config.model.cache_dir else default_cache_dir()
     path = calibration_path(cache_dir, weights_fingerprint(engine.runner.model, engine.weights))

@@ -18,20 +18,20 @@ from __future__ import annotations
 
 import json
 import math
-from contextlib import contextmanager
 
 import msgspec
 import torch
 
 from drafters.model_draft import overlap_and_acceptance
 from engine.artifacts import SvTable, sv_fingerprints, sv_table_path
+from engine.calibration.answers import answers, plain_attention
 from engine.calibration.options import CalibrationOptions
 from engine.calibration.prompts import CALIBRATION_PROMPTS, CHAT_PROMPTS, chat_prompt_ids
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model.draft_model import DraftForward
 from engine.model.tokenizer import load_tokenizer
-from engine.wire import EngineRequest, SamplingParams
+from engine.wire import SamplingParams
 
 ENTROPY_BINS = 10  # the acceptance probability is discretised into this many equal bins for its entropy (SV Table 2)
 
@@ -90,20 +90,6 @@ def _plain_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits[0].float()
 
 
-@contextmanager
-def plain_attention(models: tuple[torch.nn.Module, ...]):
-    """transformers' SDPA attention instead of the paged pool's, for MODELS (the target first: an early exit's
-    layers are the target's and read its config)."""
-    previous = [model.config._attn_implementation for model in models]
-    for model in models:
-        model.set_attn_implementation("sdpa")
-    try:
-        yield
-    finally:
-        for model, implementation in zip(models, previous):
-            model.set_attn_implementation(implementation)
-
-
 def calibrate_sv(
     engine, prompts: list[list[int]], max_tokens: int, greedy: bool, seed: int = 0
 ) -> tuple[SvTable, dict]:
@@ -111,17 +97,12 @@ def calibrate_sv(
     each estimator's Brier score and the information-gain table on the odd prompts, with the table fitted on the
     even ones (the saved table is fitted on all)."""
     params = SamplingParams(temperature=0.0 if greedy else SAMPLED_TEMPERATURE, max_tokens=max_tokens, seed=seed)
-    answers: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        engine.add_request(EngineRequest(f"sv-{i}", prompt, msgspec.structs.replace(params, seed=seed + i)))
-    while engine.has_work:
-        for output in engine.step().outputs:
-            answers.setdefault(output.request_id, []).extend(output.new_token_ids)
+    answered = answers(engine, prompts, [msgspec.structs.replace(params, seed=seed + i) for i in range(len(prompts))])
     generator = torch.Generator().manual_seed(seed)
     models = (engine.runner.model, engine.draft_forward.runner.model, engine.companion_forward.runner.model)
     with plain_attention(models):
-        observed = [teacher_forced_tokens(*models, prompt, answers[f"sv-{i}"], params, generator)
-                    for i, prompt in enumerate(prompts)]
+        observed = [teacher_forced_tokens(*models, prompt, answer, params, generator)
+                    for prompt, answer in zip(prompts, answered)]
     fit_half, test_half = (_joined(observed[start::2]) for start in (0, 1))
     half_table = SvTable.fit(fit_half["S"], fit_half["A"], fit_half["accepted"])
     report = evaluate(half_table, test_half, generator)
