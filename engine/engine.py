@@ -12,6 +12,7 @@ from engine.batching import forward_batch
 from engine.config import CacheConfig, EngineConfig
 from engine.drafter_context import drafter_context
 from engine.grammar import GrammarError, Grammars
+from engine.logprobs import PromptLogprobs
 from engine.model.draft_model import DraftForward, DraftModel, Reserve, draft_pool, load_draft_model, reserve_nothing
 from engine.model.forward import ForwardBatch, ForwardOutput, RowChoice
 from engine.model.model_loader import LoadedModel, load_model
@@ -72,6 +73,7 @@ class Engine:
         self.max_session_host_bytes = int(config.sessions.host_memory_mib * 2**20)
         self.grammars = Grammars(lambda: load_tokenizer(config.model), self.vocab_size, self.eos_token_ids)
         self.verifier = Verifier(self.grammars)
+        self.prompt_logprobs = PromptLogprobs()
 
     def _draft_forward(
         self, draft: DraftModel, pool: PagedKVPool, blocks: KVBlockManager, backend: str, loaded: LoadedModel,
@@ -108,19 +110,24 @@ class Engine:
             return RequestOutput(
                 request.request_id, [], finish_reason="error", error=EngineError("invalid_request", error)
             )
+        # prompt log-probabilities are computed afresh; a drafter that reads what the target computed at every
+        # position must see the prompt computed
+        computes_prompt = request.sampling.prompt_logprobs is not None or self.speculation.needs_every_position
         req = Request(
             request.request_id, list(request.prompt_token_ids), request.sampling, request.session_id,
-            # a drafter that reads what the target computed at every position must see the prompt computed
-            prompt_source=None if self.speculation.needs_every_position else request.prompt_source,
+            prompt_source=None if computes_prompt else request.prompt_source,
         )
         try:
             session_key = self.scheduler.add_request(req)
         except Exception:
             self.grammars.finish(request.request_id)
             raise
-        resumed = self.speculation.begin(req, session_key)
-        if req.num_cached_tokens and not resumed and self.speculation.needs_every_position:
-            self.scheduler.drop_cached_prefix(req)  # its drafter never saw what the target computed there
+        scores_prompt = request.sampling.prompt_logprobs is not None
+        resumed = self.speculation.begin(req, None if scores_prompt else session_key)
+        if req.num_cached_tokens and (scores_prompt or not resumed and self.speculation.needs_every_position):
+            self.scheduler.drop_cached_prefix(req)  # never read: its drafter did not see it computed, or it is scored
+        if scores_prompt:
+            self.prompt_logprobs.begin(req.request_id, req.num_prompt_tokens)
         return None
 
     def _validate(self, request: EngineRequest) -> str | None:
@@ -178,21 +185,44 @@ class Engine:
         self._expire_sessions()
         sched_out = self.scheduler.schedule()
         batch, model_out = self._execute(sched_out)
+        prompt_logprobs = self._score_prompts(sched_out.scheduled, model_out)
         results, logprobs = self._verify(sched_out.scheduled, model_out)
         update = self.scheduler.update(sched_out, results)
         self.runner.move_kv(update.kv_moves)
         draft_seconds = self._after_update(sched_out, batch, model_out, results, update)
         update.stats.step_seconds = time.perf_counter() - start
         self.scheduler.observe_step_seconds(sched_out, update.stats.step_seconds - draft_seconds)
-        outputs = [_wire_output(u, logprobs.get(u.request_id)) for u in update.updates]
+        outputs = [
+            _wire_output(u, logprobs.get(u.request_id), prompt_logprobs.get(u.request_id)) for u in update.updates
+        ]
         return EngineOutputs(outputs=outputs, stats=update.stats)
 
     def _execute(self, sched_out: SchedulerOutput) -> tuple[ForwardBatch, ForwardOutput | None]:
         self.speculation.preempt(sched_out.preempted)
         batch = forward_batch(sched_out.scheduled, self.runner.block_size, self.speculation.captures)
+        for item, forward in zip(sched_out.scheduled, batch.items):
+            forward.prompt_rows = self.prompt_logprobs.rows(item.req.request_id, item.num_computed,
+                                                            item.num_real_tokens)
         if self.runner.samples_on_device:
             self._sample_on_device(sched_out.scheduled, batch)
         return batch, (self.runner.execute(batch) if batch.items else None)
+
+    def _score_prompts(
+        self, scheduled: list[ScheduledRequest], model_out: ForwardOutput | None
+    ) -> dict[str, list[TokenLogprob | None]]:
+        """Record the prompt log-probabilities this step computed; those of prompts it completed, by request id."""
+        completed = {}
+        for index, item in enumerate(scheduled):
+            req = item.req
+            logits = model_out.prompt_logits[index] if model_out is not None else None
+            if logits is not None:
+                self.prompt_logprobs.record(req.request_id, item.num_computed, logits, req.prompt_token_ids,
+                                            req.sampling.prompt_logprobs)
+            if item.reaches_end:
+                entries = self.prompt_logprobs.take(req.request_id)
+                if entries is not None:
+                    completed[req.request_id] = entries
+        return completed
 
     def _sample_on_device(self, scheduled: list[ScheduledRequest], batch: ForwardBatch) -> None:
         """Sampled requests that process no logits, ask for no log-probabilities and verify no model draft get their
@@ -269,6 +299,7 @@ class Engine:
 
     def _release(self, req: Request) -> None:
         self.verifier.finish(req.request_id)
+        self.prompt_logprobs.finish(req.request_id)
         self.speculation.finish(req, self.scheduler.end_turn(req.request_id))
 
     def _expire_sessions(self) -> None:
@@ -299,12 +330,15 @@ class Engine:
         stats.drafter_state_bytes = self.speculation.state_bytes()
 
 
-def _wire_output(update: RequestUpdate, logprobs: list[TokenLogprob] | None) -> RequestOutput:
+def _wire_output(
+    update: RequestUpdate, logprobs: list[TokenLogprob] | None, prompt_logprobs: list[TokenLogprob | None] | None,
+) -> RequestOutput:
     """LOGPROBS cover every token the walk emitted; the update keeps those before a stop."""
     return RequestOutput(
         request_id=update.request_id, new_token_ids=update.new_token_ids, finish_reason=update.finish_reason,
         num_prompt_tokens=update.num_prompt_tokens, spec=update.spec, num_cached_tokens=update.num_cached_tokens,
         logprobs=logprobs[:len(update.new_token_ids)] if logprobs is not None else None,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

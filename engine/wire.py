@@ -32,6 +32,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     logprobs: int | None = None
     # an llguidance grammar (JSON) every emitted token must follow (structured outputs, tools)
     grammar: str | None = None
+    # None: off; k >= 0: each prompt token's log-probability under the model (the first's is None) and its k most
+    # likely alternatives, the whole prompt computed afresh (no cached prefix is read)
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -73,6 +76,7 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     logprob: float
     top_token_ids: list[int] = []
     top_logprobs: list[float] = []
+    rank: int = 0  # the token's rank in its distribution (1 = most likely); 0 where not computed (emitted tokens)
 
 
 class RequestOutput(msgspec.Struct):
@@ -84,6 +88,8 @@ class RequestOutput(msgspec.Struct):
     error: EngineError | None = None  # set when finish_reason is "error"
     num_cached_tokens: int = 0  # prompt tokens whose KV came from a session cache
     logprobs: list[TokenLogprob] | None = None  # [len(new_token_ids)] when the request asked for logprobs
+    # [num_prompt_tokens] with the output that completes the prompt, when the request asked (entry 0 is None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):

@@ -46,7 +46,8 @@ async def create_chat_completion(
         grammar=grammar,
     )
     tool_calls = ToolCallStreams() if tools else None
-    formatter = ChatFormatter(request_id, model_name, LogprobFormatter(context.tokenizer), tool_calls)
+    formatter = ChatFormatter(request_id, model_name, LogprobFormatter(context.tokenizer), tool_calls,
+                              body.prompt_logprobs)
     return await respond(context, http_request, engine_requests, body, formatter)
 
 
@@ -88,13 +89,15 @@ class ChatFormatter:
     """Shapes chat.completion objects and chat.completion.chunk events of one request."""
 
     def __init__(
-        self, request_id: str, model_name: str, logprobs: LogprobFormatter, tool_calls: ToolCallStreams | None = None
+        self, request_id: str, model_name: str, logprobs: LogprobFormatter, tool_calls: ToolCallStreams | None = None,
+        num_prompt_logprobs: int | None = None,
     ) -> None:
         self._request_id = request_id
         self._model_name = model_name
         self._created = int(time.time())  # seconds since the epoch, shared by all chunks
         self._logprobs = logprobs
         self._tool_calls = tool_calls  # set when the request offers tools: replies are parsed for calls
+        self._num_prompt_logprobs = num_prompt_logprobs  # vLLM's prompt_logprobs field, when the request set it
 
     def role_chunk(self, index: int) -> ChatCompletionChunk:
         return self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
@@ -119,9 +122,11 @@ class ChatFormatter:
 
     def response(self, choices: list[FinishedChoice], usage: Usage, spec: SpecStatsInfo) -> ChatCompletionResponse:
         shaped = [self._choice(choice) for choice in choices]
+        entries = choices[0].prompt_logprobs if choices and self._num_prompt_logprobs is not None else None
         return ChatCompletionResponse(
             id=self._request_id, created=self._created, model=self._model_name, choices=shaped, usage=usage,
             spec_stats=spec,
+            prompt_logprobs=self._logprobs.prompt_logprobs(entries, self._num_prompt_logprobs) if entries else None,
         )
 
     def _choice(self, choice: FinishedChoice) -> ChatChoice:

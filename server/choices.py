@@ -15,13 +15,14 @@ class FinishedChoice:
     text: str
     finish_reason: str
     logprobs: list[TokenLogprob] | None = None  # every token's, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # every prompt token's, when the request asked
 
 
 async def collect_choices(generations: list[Generation]) -> list[FinishedChoice]:
     """Every choice to its end, concurrently (they run in the same engine batch)."""
     deltas = await asyncio.gather(*(generation.collect() for generation in generations))
     return [
-        FinishedChoice(index, delta.text, generation.finish_reason, delta.logprobs)
+        FinishedChoice(index, delta.text, generation.finish_reason, delta.logprobs, generation.prompt_logprobs)
         for index, (delta, generation) in enumerate(zip(deltas, generations))
     ]
 

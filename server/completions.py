@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -20,13 +21,39 @@ async def create_completion(
 ) -> Response:
     ready = context.require_ready()
     model_name = context.check_model(body.model, ready)
+    check_echo(body)
     prompt_token_ids = tokenize_prompt(context.tokenizer, body.prompt)
     request_id = new_request_id("cmpl")
     engine_requests = build_engine_requests(
         request_id, prompt_token_ids, body, ready, http_request, prompt_param="prompt", config=context.config
     )
-    formatter = CompletionFormatter(request_id, model_name, LogprobFormatter(context.tokenizer))
+    echo = Echo(prompt_text(context.tokenizer, body.prompt), prompt_token_ids, body.logprobs) if body.echo else None
+    formatter = CompletionFormatter(request_id, model_name, LogprobFormatter(context.tokenizer), echo,
+                                    body.prompt_logprobs)
     return await respond(context, http_request, engine_requests, body, formatter)
+
+
+def check_echo(body: CompletionRequest) -> None:
+    """max_tokens 0 only scores the prompt, so it needs echo; an echoed prompt is not streamed."""
+    if body.scores_prompt_only and not body.echo:
+        raise APIError(400, "max_tokens 0 needs echo true (the prompt is all the answer holds)", param="max_tokens")
+    if body.echo and body.stream:
+        raise APIError(400, "echo is not streamed: send stream false", param="echo")
+
+
+def prompt_text(tokenizer: Any, prompt: str | list[int]) -> str:
+    """The prompt as an echo shows it: the text sent, or the given token ids decoded."""
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+
+
+@dataclass
+class Echo:
+    """What an echoing request puts before each choice: the prompt's text and, when it asked for logprobs, the
+    prompt tokens' entries with that many alternatives."""
+
+    text: str
+    token_ids: list[int]
+    num_logprobs: int | None
 
 
 def tokenize_prompt(tokenizer: Any, prompt: str | list[int]) -> list[int]:
@@ -51,11 +78,16 @@ def _checked_token_ids(token_ids: list[int], vocab_size: int) -> list[int]:
 class CompletionFormatter:
     """Shapes text_completion objects and stream chunks of one request."""
 
-    def __init__(self, request_id: str, model_name: str, logprobs: LogprobFormatter) -> None:
+    def __init__(
+        self, request_id: str, model_name: str, logprobs: LogprobFormatter, echo: Echo | None = None,
+        num_prompt_logprobs: int | None = None,
+    ) -> None:
         self._request_id = request_id
         self._model_name = model_name
         self._created = int(time.time())  # seconds since the epoch, shared by all chunks
         self._logprobs = logprobs
+        self._echo = echo
+        self._num_prompt_logprobs = num_prompt_logprobs  # vLLM's prompt_logprobs field, when the request set it
         self._text_offsets: dict[int, int] = {}  # choice index -> characters streamed so far
 
     def role_chunk(self, index: int) -> None:
@@ -75,12 +107,24 @@ class CompletionFormatter:
         return self._object([], usage=usage, spec_stats=spec)
 
     def response(self, choices: list[FinishedChoice], usage: Usage, spec: SpecStatsInfo) -> CompletionResponse:
-        shaped = [
-            CompletionChoice(index=choice.index, text=choice.text, finish_reason=choice.finish_reason,
-                             logprobs=self._shaped(choice.logprobs, 0))
-            for choice in choices
-        ]
-        return self._object(shaped, usage=usage, spec_stats=spec)
+        return self._object([self._choice(choice) for choice in choices], usage=usage, spec_stats=spec)
+
+    def _choice(self, choice: FinishedChoice) -> CompletionChoice:
+        prompt_logprobs = None
+        if self._num_prompt_logprobs is not None and choice.prompt_logprobs:
+            prompt_logprobs = self._logprobs.prompt_logprobs(choice.prompt_logprobs, self._num_prompt_logprobs)
+        if self._echo is None:
+            return CompletionChoice(index=choice.index, text=choice.text, finish_reason=choice.finish_reason,
+                                    logprobs=self._shaped(choice.logprobs, 0), prompt_logprobs=prompt_logprobs)
+        echo = self._echo
+        logprobs = None
+        if echo.num_logprobs is not None:
+            logprobs = self._logprobs.echoed_prompt(echo.token_ids, choice.prompt_logprobs, echo.num_logprobs)
+            generated = self._shaped(choice.logprobs or [], len(echo.text))
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(logprobs, name).extend(getattr(generated, name))
+        return CompletionChoice(index=choice.index, text=echo.text + choice.text, finish_reason=choice.finish_reason,
+                                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _shaped(self, logprobs, text_offset: int):
         return self._logprobs.completion(logprobs, text_offset) if logprobs is not None else None

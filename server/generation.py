@@ -28,7 +28,8 @@ class Generation:
     `first` is the request's first output, already awaited by the caller (so that
     admission errors surface before a response starts); `outputs` yields the rest.
     Stopping early (a stop string) leaves `outputs` unconsumed: `aclose()` closes it,
-    which aborts the request in the engine.
+    which aborts the request in the engine. With SCORES_PROMPT_ONLY the request is there
+    for its prompt log-probabilities: its generated tokens are left out.
     """
 
     def __init__(
@@ -37,6 +38,7 @@ class Generation:
         outputs: AsyncIterator[RequestOutput],
         tokenizer: Any,
         stop: Sequence[str] | None,
+        scores_prompt_only: bool = False,
     ) -> None:
         self._first: RequestOutput | None = first
         self._outputs = outputs
@@ -46,14 +48,17 @@ class Generation:
         self.num_completion_tokens = 0  # generated tokens received from the engine
         self.spec: SpecStats | None = None  # the latest stats the engine sent
         self.num_cached_tokens = first.num_cached_tokens  # prompt tokens whose KV a session cache supplied
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # when the request asked, once computed
+        self._scores_prompt_only = scores_prompt_only
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Deltas with text or log-probabilities until the request finishes or hits a stop string."""
         while self.finish_reason is None:
             output = await self._next_output()
             text = self._on_output(output)
-            if text or output.logprobs:
-                yield Delta(text, output.logprobs)
+            logprobs = None if self._scores_prompt_only else output.logprobs
+            if text or logprobs:
+                yield Delta(text, logprobs)
 
     async def collect(self) -> Delta:
         """The whole text, and every token's log-probabilities when asked."""
@@ -78,12 +83,17 @@ class Generation:
         return output
 
     def _on_output(self, output: RequestOutput) -> str:
-        self.num_completion_tokens += len(output.new_token_ids)
         self.spec = output.spec or self.spec
         self.num_cached_tokens = output.num_cached_tokens
+        self.prompt_logprobs = output.prompt_logprobs or self.prompt_logprobs
         finished = output.finish_reason is not None
         if finished:
             _raise_if_failed(output)
+        if self._scores_prompt_only:
+            if finished:
+                self.finish_reason = "length"
+            return ""
+        self.num_completion_tokens += len(output.new_token_ids)
         text = self._detokenizer.add(output.new_token_ids)
         if finished:
             text += self._detokenizer.flush()

@@ -10,7 +10,14 @@ from functools import lru_cache
 from typing import Any
 
 from engine.wire import TokenLogprob
-from server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprobInfo, TopLogprob
+from server.protocol import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobList,
+    TokenLogprobInfo,
+    TopLogprob,
+)
 
 
 class LogprobFormatter:
@@ -33,6 +40,32 @@ class LogprobFormatter:
             text_offset += len(token)
         return out
 
+    def echoed_prompt(
+        self, prompt_token_ids: list[int], entries: list[TokenLogprob | None], num_top: int
+    ) -> CompletionLogprobs:
+        """An echoed prompt in the completions shape: the first token has no log-probability (null, as OpenAI and
+        vLLM answer), the others their entry with its NUM_TOP most likely alternatives."""
+        first = self.token_text(prompt_token_ids[0])
+        rest = self.completion([_with_top(entry, num_top) for entry in entries[1:]], text_offset=len(first))
+        return CompletionLogprobs(
+            tokens=[first, *rest.tokens], token_logprobs=[None, *rest.token_logprobs],
+            top_logprobs=[None, *rest.top_logprobs], text_offset=[0, *rest.text_offset],
+        )
+
+    def prompt_logprobs(self, entries: list[TokenLogprob | None], num_top: int) -> PromptLogprobList:
+        """vLLM's prompt_logprobs: per prompt token its own entry and its NUM_TOP most likely alternatives', keyed by
+        token id."""
+        return [self._prompt_entry(_with_top(entry, num_top)) if entry is not None else None for entry in entries]
+
+    def _prompt_entry(self, entry: TokenLogprob) -> dict[str, PromptLogprob]:
+        shaped = {
+            str(token_id): PromptLogprob(logprob=logprob, rank=rank, decoded_token=self.token_text(token_id))
+            for rank, (token_id, logprob) in enumerate(zip(entry.top_token_ids, entry.top_logprobs), start=1)
+        }
+        shaped[str(entry.token_id)] = PromptLogprob(logprob=entry.logprob, rank=entry.rank or None,
+                                                    decoded_token=self.token_text(entry.token_id))
+        return shaped
+
     def token_text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
@@ -51,6 +84,11 @@ class LogprobFormatter:
     def _top(self, token_id: int, logprob: float) -> TopLogprob:
         token = self.token_bytes(token_id)
         return TopLogprob(token=token.decode("utf-8", errors="replace"), logprob=logprob, bytes=list(token))
+
+
+def _with_top(entry: TokenLogprob, num_top: int) -> TokenLogprob:
+    return TokenLogprob(entry.token_id, entry.logprob, entry.top_token_ids[:num_top], entry.top_logprobs[:num_top],
+                        entry.rank)
 
 
 @lru_cache(maxsize=1)

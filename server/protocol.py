@@ -1,8 +1,8 @@
 """Pydantic models of the OpenAI chat and completions requests, responses and stream chunks.
 
 Requests ignore unknown fields (OpenAI clients send many) but reject, with a clear
-message, the fields we would otherwise silently get wrong (legacy `functions`, `echo`,
-`suffix`, `best_of`). Union-typed fields are normalised by before-validators so that a
+message, the fields we would otherwise silently get wrong (legacy `functions`, `suffix`,
+`best_of`). Union-typed fields are normalised by before-validators so that a
 bad value yields one clean error naming the field.
 """
 from __future__ import annotations
@@ -25,7 +25,6 @@ MAX_LOGIT_BIAS = 100.0
 # field -> (is the value unsupported?, message)
 _UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "functions": (bool, "the legacy `functions` field is not supported; send `tools`"),
-    "echo": (bool, "echo is not supported"),
     "suffix": (bool, "suffix is not supported"),
     "best_of": (lambda v: v not in (None, 1), "best_of > 1 is not supported"),
 }
@@ -84,6 +83,8 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)  # extension (transformers, vLLM); 1 = off
     response_format: ResponseFormat | None = None
+    # extension (vLLM): each prompt token's log-probability and its k most likely alternatives
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -117,6 +118,16 @@ class SamplingFields(BaseModel):
     def num_logprobs(self) -> int | None:
         """None: no log-probabilities; k: each token's and its k most likely alternatives."""
         return None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """None: no prompt log-probabilities; k: each prompt token's and its k most likely alternatives."""
+        return self.prompt_logprobs
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """Whether the answer leaves the generated tokens out (completions' max_tokens 0)."""
+        return False
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -276,7 +287,8 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: str | list[int]  # normalised from str | [int] | [str] | [[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool | None = False
+    echo: bool | None = False  # the prompt before the completion, with its log-probabilities when logprobs is set
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: score the prompt only (lm-eval, vLLM)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -293,7 +305,7 @@ class CompletionRequest(SamplingFields):
             raise ValueError("batched prompts are not supported; send one prompt per request")
         raise ValueError("must be a string or a non-empty list of token ids (ints >= 0)")
 
-    @field_validator("echo", "suffix", "best_of")
+    @field_validator("suffix", "best_of")
     @classmethod
     def _reject_unsupported_completion(cls, value: Any, info) -> Any:
         return _check_supported(info.field_name, value)
@@ -301,6 +313,21 @@ class CompletionRequest(SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """max_tokens 0: the engine generates one token, which the answer leaves out."""
+        return self.max_tokens == 0
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        return 1 if self.scores_prompt_only else self.max_tokens
 
 
 def _is_token_id(value: Any) -> bool:
@@ -377,9 +404,21 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry: a token's log-probability, its rank in the distribution (1 = most likely)
+    and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+PromptLogprobList = list[dict[str, PromptLogprob] | None]  # per prompt token, keyed by token id; the first is None
 
 
 class ChatChoice(BaseModel):
@@ -394,6 +433,7 @@ class ChatCompletionResponse(ResponseBase):
     choices: list[ChatChoice]
     usage: Usage
     spec_stats: SpecStatsInfo
+    prompt_logprobs: PromptLogprobList | None = None  # extension (vLLM), when asked
 
 
 class DeltaFunctionCall(BaseModel):
@@ -439,6 +479,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobList | None = None  # extension (vLLM), when asked
 
 
 class CompletionResponse(ResponseBase):

@@ -101,6 +101,9 @@ def build_engine_requests(
     """
     max_tokens = resolve_max_tokens(body.effective_max_tokens, len(prompt_token_ids), ready, prompt_param)
     check_num_choices(body.num_choices, config.server.max_choices)
+    if body.stream and body.num_prompt_logprobs is not None:
+        raise APIError(400, "prompt log-probabilities are not streamed: send stream false",
+                       param="prompt_logprobs" if body.prompt_logprobs is not None else "echo")
     if grammar is not None and body.response_format is not None and body.response_format.type != "text":
         raise APIError(400, "response_format cannot be combined with a forced tool call", param="response_format")
     sampling = build_sampling_params(body, max_tokens, ready, grammar or response_format_grammar(body.response_format))
@@ -163,6 +166,7 @@ def build_sampling_params(
         logit_bias=logit_bias_by_id(body.logit_bias, ready.vocab_size),
         logprobs=body.num_logprobs,
         grammar=grammar,
+        prompt_logprobs=body.num_prompt_logprobs,
     )
 
 
@@ -246,7 +250,7 @@ async def start_generation(
         raise
     if first is None:
         raise APIError(500, "the engine ended the request without output", SERVER_ERROR)
-    return Generation(first, outputs, context.tokenizer, body.stop)
+    return Generation(first, outputs, context.tokenizer, body.stop, body.scores_prompt_only)
 
 
 async def _first_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:

@@ -90,10 +90,10 @@ class CudaGraphs:
         return self.decoder(self.token_ids[:size], self.positions[:size], self.rows[:size], packed)
 
     def fits(self, batch: ForwardBatch) -> bool:
-        """Whether a captured graph computes BATCH: items the Triton kernel attends, no captures, and its tokens and
-        block tables within the graphs' buffers."""
+        """Whether a captured graph computes BATCH: items the Triton kernel attends, no captures or prompt rows, and its
+        tokens and block tables within the graphs' buffers."""
         return bool(self.graphs) and sum(item.num_tokens for item in batch.items) <= self.sizes[-1] and all(
-            self.kernel_attends(item) and not item.hidden_rows and not item.attention_rows
+            self.kernel_attends(item) and not item.hidden_rows and not item.attention_rows and not item.prompt_rows
             and -(-item.context_len // self.block_size) <= self.max_blocks
             for item in batch.items
         )

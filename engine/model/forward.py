@@ -10,7 +10,8 @@ positions (`ModelRunner.move_kv`), as the scheduler says.
 Rows of an item return, on request: logits for the verifier (`logit_rows`; or only the target's token at each, chosen
 where the logits are, when the verifier needs no more: `choice`, so a GPU sends a few ids to the host instead of
 full-vocabulary rows), logits for a drafter
-(`drafter_rows`: look-ahead tokens, whose KV is scratch), the hidden state after the batch's capture layer
+(`drafter_rows`: look-ahead tokens, whose KV is scratch), the model's raw logits for prompt log-probabilities
+(`prompt_rows`, kept on the device), the hidden state after the batch's capture layer
 (`hidden_rows`), and the attention of the capture heads over the whole context (`attention_rows`).
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ class ForwardItem:
     parents: list[int] | None = None
     logit_rows: list[int] = field(default_factory=list)  # rows whose logits go to the verifier
     drafter_rows: list[int] = field(default_factory=list)  # rows whose logits go to a drafter (look-ahead tokens)
+    prompt_rows: list[int] = field(default_factory=list)  # rows whose logits score the next prompt token
     hidden_rows: list[int] = field(default_factory=list)  # rows whose hidden state at the capture layer is returned
     attention_rows: list[int] = field(default_factory=list)  # rows whose attention of the capture heads is returned
     choice: RowChoice | None = None  # the runner returns each logit row's chosen token instead of its logits
@@ -83,6 +85,8 @@ class ForwardOutput:
     hidden: list[torch.Tensor | None]  # per item [len(hidden_rows), hidden_size], or None
     attention: list[torch.Tensor | None]  # per item [len(attention_rows), num capture heads, context_len], or None
     chosen: list[list[int] | None] = field(default_factory=list)  # per item its logit rows' chosen tokens, if asked
+    # per item [len(prompt_rows), vocab] on the device, in the model's dtype, or None when no row asked
+    prompt_logits: list[torch.Tensor | None] = field(default_factory=list)
 
 
 def slots_of(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:

@@ -90,8 +90,8 @@ class PackedModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, batch: ForwardBatch) -> tuple[PackedBatch, torch.Tensor]:
-        """The forward itself: every item's logit rows, then its drafter rows, as [rows, vocab] on the device in the
-        model's dtype (the captures stay in the packed batch)."""
+        """The forward itself: every item's logit rows, then its drafter rows, then its prompt rows, as [rows, vocab]
+        on the device in the model's dtype (the captures stay in the packed batch)."""
         if self.graphs is not None and self.graphs.fits(batch):
             return PackedBatch(self.pool, self.block_size, self._tensor([])), self.graphs.forward_logits(batch)
         items = batch.items
@@ -100,9 +100,7 @@ class PackedModelRunner:
         packed = PackedBatch(self.pool, self.block_size, self._tensor([s for item in items for s in item.slots]))
         self._lay_out(packed, items, members)
         self._ask_captures(packed, batch, members)
-        rows = self._tensor(
-            [start + row for item, start in zip(items, starts) for row in item.logit_rows + item.drafter_rows]
-        )
+        rows = self._tensor([start + row for item, start in zip(items, starts) for row in _logit_rows(item)])
         token_ids = self._tensor([t for item in items for t in item.token_ids])
         positions = self._tensor([p for item in items for p in item.positions])
         if self.decoder is not None:
@@ -255,9 +253,12 @@ class PackedModelRunner:
         rows, hidden states and attention rows."""
         out = ForwardOutput([], [], [], [])
         host_logits, chosen = _to_host(batch, logits)
-        logit_start = hidden_start = 0
+        logit_start = hidden_start = device_start = 0
         for i, item in enumerate(batch.items):
-            num_logits, num_drafter = len(item.logit_rows), len(item.drafter_rows)
+            num_logits, num_drafter, num_prompt = len(item.logit_rows), len(item.drafter_rows), len(item.prompt_rows)
+            device_start += num_logits + num_drafter
+            out.prompt_logits.append(logits[device_start:device_start + num_prompt] if num_prompt else None)
+            device_start += num_prompt
             out.chosen.append(chosen.get(i))
             if item.choice is not None:
                 out.logits.append(None)
@@ -292,10 +293,16 @@ class PackedModelRunner:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
 
+def _logit_rows(item: ForwardItem) -> list[int]:
+    """The rows of ITEM whose logits the forward keeps, in the order the output reads them."""
+    return item.logit_rows + item.drafter_rows + item.prompt_rows
+
+
 def _to_host(batch: ForwardBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, list[int]]]:
-    """What of LOGITS [rows kept, vocab] the host needs: float32 logits of every row but the logit rows of items with
-    a choice, and those items' chosen tokens by item index, chosen where the logits are (one transfer each)."""
-    if not any(item.choice is not None for item in batch.items):
+    """What of LOGITS [rows kept, vocab] the host needs: float32 logits of the logit and drafter rows but the logit
+    rows of items with a choice, and those items' chosen tokens by item index, chosen where the logits are (one
+    transfer each). Prompt rows stay on the device (engine/logprobs.py reduces them there)."""
+    if not any(item.choice is not None or item.prompt_rows for item in batch.items):
         return logits.float().cpu(), {}
     greedy_rows, host_rows, sampled, row = [], [], [], 0
     for index, item in enumerate(batch.items):
@@ -307,7 +314,7 @@ def _to_host(batch: ForwardBatch, logits: torch.Tensor) -> tuple[torch.Tensor, d
         else:
             sampled.append((index, rows))
         host_rows.extend(range(row + len(rows), row + len(rows) + len(item.drafter_rows)))
-        row += len(rows) + len(item.drafter_rows)
+        row += len(rows) + len(item.drafter_rows) + len(item.prompt_rows)
     parts = [greedy_token_tensor(_rows(logits, greedy_rows))] if greedy_rows else []
     for index, rows in sampled:
         choice = batch.items[index].choice
