@@ -14,6 +14,7 @@ from server.engine_client import EngineClient
 from server.errors import install_error_handlers
 from server.openapi import document_request_bodies
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.responses_protocol import ResponsesRequest
 from server.router import api_router, router
 from server.serving import ServingContext
 
@@ -42,7 +43,8 @@ def build_app(config: Config, engine: EngineClient, tokenizer: Any) -> FastAPI:
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(api_router)
-    document_request_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest})
+    document_request_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                                  "/v1/responses": ResponsesRequest})
     return app
 
 

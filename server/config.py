@@ -30,6 +30,8 @@ class ServerConfig:
     api_key: str | None = field(default=None, metadata={  # None: no authentication
         "env": API_KEY_ENV, "help": f"require this bearer key on /v1 (default: ${API_KEY_ENV})"})
     max_choices: int = field(default=16, metadata={"help": "the largest n a request may ask for"})
+    responses_store_mib: float = field(default=64.0, metadata={"help": (
+        "memory for stored Responses API responses (what previous_response_id continues); the oldest go first")})
 
     def __post_init__(self) -> None:
         if self.api_key == "":
@@ -40,6 +42,8 @@ class ServerConfig:
             raise ValueError("engine restarts: the bound must not be negative and the window must be positive")
         if self.max_choices < 1:
             raise ValueError("--max-choices must be at least 1")
+        if self.responses_store_mib < 0:
+            raise ValueError("--responses-store-mib must not be negative")
         if self.engine_stall_timeout_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("the stall bound must be positive and the drain timeout must not be negative")
 

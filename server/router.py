@@ -1,4 +1,4 @@
-"""The HTTP routes: chat and text completions, the model list, and health."""
+"""The HTTP routes: chat and text completions, responses, the model list, and health."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
@@ -11,6 +11,8 @@ from server.completions import create_completion
 from server.errors import SERVER_ERROR, APIError, api_error_response, engine_unavailable, shutting_down
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from server.request_body import read_request
+from server.responses import create_response, retrieve_response
+from server.responses_protocol import ResponsesRequest
 from server.serving import ServingContext
 
 router = APIRouter()  # public: health
@@ -33,6 +35,18 @@ async def completions(request: Request) -> Response:
     context = serving_context(request)
     body = await read_request(request, CompletionRequest, context.config.server.max_request_bytes)
     return await create_completion(context, body, request)
+
+
+@api_router.post("/responses")
+async def responses(request: Request) -> Response:
+    context = serving_context(request)
+    body = await read_request(request, ResponsesRequest, context.config.server.max_request_bytes)
+    return await create_response(context, body, request)
+
+
+@api_router.get("/responses/{response_id}")
+async def stored_response(request: Request, response_id: str) -> JSONResponse:
+    return await retrieve_response(serving_context(request), response_id)
 
 
 @api_router.get("/models")

@@ -33,6 +33,7 @@ from server.errors import (
 )
 from server.generation import Delta, Generation, close_outputs
 from server.protocol import MAX_SESSION_ID_LENGTH, PromptTokensDetails, SamplingFields, SpecStatsInfo, Usage
+from server.response_store import ResponseStore
 from server.sse import DONE_EVENT, EventStreamResponse, encode_event
 from server.structured import response_format_grammar
 
@@ -50,6 +51,7 @@ class ServingContext:
         self.engine = engine
         self.tokenizer = tokenizer
         self.draining = False  # SIGTERM arrived: requests in flight finish, new ones get 503 (server/drain.py)
+        self.responses = ResponseStore(int(config.server.responses_store_mib * 2**20))  # the Responses API's
 
     def require_ready(self) -> EngineReady:
         if self.draining:

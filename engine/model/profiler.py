@@ -13,8 +13,8 @@ from scheduler.kv_blocks import KVBlockManager
 PROFILE_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the latency model extrapolates linearly beyond
 PROFILE_CONTEXT_LEN = 512
 PROFILE_ROUNDS = 5  # passes over the token counts at most; each count keeps its fastest
-PROFILE_MIN_ROUNDS = 2  # every count is measured at least this often...
-PROFILE_SECONDS_PER_COUNT = 0.25  # ...and again while its measurements add up to less than this
+PROFILE_SECONDS_PER_COUNT = 0.25  # a count is measured again while its measurements add up to less than this
+PROFILE_PATH_ROUNDS = 3  # measurements of the tree and of the chain it is compared with; each keeps its fastest
 PROFILE_REQUEST_ID = "__latency_profile__"
 PROFILE_TREE_PATHS, PROFILE_PATH_LEN = 8, 4  # the profiled tree: 8 branches of 4 tokens off the context
 
@@ -28,7 +28,8 @@ def profile_forward_latency(
     (the server process starting beside the engine, say) slows one round rather than every repeat of one count,
     which would skew the ratios the planner weighs drafts by. A count's later rounds are skipped once it has been
     measured for PROFILE_SECONDS_PER_COUNT in all: a forward of hundreds of tokens varies by a few per cent between
-    rounds, a forward of one token by far more, and the large ones are most of the start-up's time."""
+    rounds (one measurement of it is enough), a forward of one token by far more, and the large ones are most of the
+    start-up's time."""
     counts = [n for n in PROFILE_TOKEN_COUNTS if n < max_model_len // 2]
     context_len = min(PROFILE_CONTEXT_LEN, max_model_len - max(counts))
     generator = torch.Generator().manual_seed(0)
@@ -40,7 +41,7 @@ def profile_forward_latency(
         spent = {n: 0.0 for n in counts}
         for round_index in range(PROFILE_ROUNDS):
             for n in counts:
-                if round_index >= PROFILE_MIN_ROUNDS and spent[n] >= PROFILE_SECONDS_PER_COUNT:
+                if round_index and spent[n] >= PROFILE_SECONDS_PER_COUNT:
                     continue
                 seconds = _forward_seconds(runner, table, context, context_len, n)
                 fastest[n], spent[n] = min(fastest[n], seconds), spent[n] + seconds
@@ -70,8 +71,8 @@ def profile_path_seconds(
         tree = tree_item(
             drafted, _branches(PROFILE_TREE_PATHS, PROFILE_PATH_LEN), context_len, table, runner.block_size, rows
         )
-        chain_s = min(_item_seconds(runner, chain) for _ in range(PROFILE_ROUNDS))
-        tree_s = min(_item_seconds(runner, tree) for _ in range(PROFILE_ROUNDS))
+        chain_s = min(_item_seconds(runner, chain) for _ in range(PROFILE_PATH_ROUNDS))
+        tree_s = min(_item_seconds(runner, tree) for _ in range(PROFILE_PATH_ROUNDS))
         return max(tree_s - chain_s, 0.0) / (PROFILE_TREE_PATHS - 1) / context_len
     finally:
         blocks.free(PROFILE_REQUEST_ID)
