@@ -102,7 +102,7 @@ def test_unstored_and_unknown_responses_are_404s_with_openais_body(client, serve
     ({"input": [{"type": "function_call_output", "output": "no call id"}]}, "input"),
     ({"input": [{"type": "computer_call", "action": {}}]}, "input"),
     ({"input": []}, "input"),
-    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tool_choice": {"type": "function", "name": "absent"}, "tools": [WEATHER]}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "if": {}}}}}, "text"),
     ({"max_output_tokens": 100000}, "input"),  # context_length_exceeded, as the chat endpoint names messages
