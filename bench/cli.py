@@ -43,7 +43,8 @@ from server.flags import config_as_argv
 ALL_DRAFTERS = ("none", "copyspec", "ngram", "spectra", "hf-greedy", "hf-pld", "llama-server", "llama-server-spec")
 PROMPT_LOOKUP_DRAFTERS = ("pld", "pld-plus")  # conversation benchmarks run them when named (bench spec-bench: always)
 PEERS = ("transformers-serve", "llama-server", "llama-server-spec")
-SESSION_MODES = ("off", "explicit", "implicit")
+SESSION_MODES = ("off", "explicit", "implicit", "responses")  # responses: previous_response_id (bench/sessions)
+DEFAULT_SESSION_MODES = ("off", "explicit", "implicit")
 SESSION_BENCHMARKS = ("mt-redundant", "self-correction")
 SESSION_DRAFTERS = ("none", "copyspec")  # the drafters `bench sessions` applies; the HTTP server has no hf-* peers
 API_VARIANTS = ("plain", "logprobs", "penalties", "repetition_penalty", "logit_bias", "json_schema", "tool_call")
@@ -219,8 +220,9 @@ def add_sessions_flags(parser: argparse.ArgumentParser) -> None:
     add_drafters_flag(parser, SESSION_DRAFTERS)
     add_limit_flag(parser)
     parser.add_argument("--session-modes", type=comma_list(SESSION_MODES, "off", "session modes"),
-                        default=SESSION_MODES,
-                        help=f"comma list from {SESSION_MODES}; 'off' is always run. One specserve per mode and "
+                        default=DEFAULT_SESSION_MODES,
+                        help=f"comma list from {SESSION_MODES} (default {','.join(DEFAULT_SESSION_MODES)}); "
+                             "'off' is always run. One specserve per mode and "
                              "drafter, all up at once: --kv-cache-memory is each one's (1 GiB fits the default 6 in "
                              "24 GB)")
     parser.add_argument("--benchmarks", type=comma_list(SESSION_BENCHMARKS, what="benchmarks"),

@@ -1,4 +1,5 @@
-"""Session benchmark: multi-turn conversations replayed through the HTTP server, sessions off, explicit and implicit.
+"""Session benchmark: multi-turn conversations replayed through the HTTP server, sessions off, explicit, implicit,
+or continued through the Responses API.
 
 Two conversation sets: MT-Redundant's two turns, and three-turn self-correction conversations built from Spec-Bench's
 `math_reasoning` items (write a program, review it, give the final code). One specserve per (session mode, drafter) is
@@ -8,10 +9,12 @@ so the servers' ratios compare measurements minutes apart, not the tens of minut
 drifts. One client sends every turn greedily and streamed (so time to first token holds no queueing); each server
 keeps its own history, so every turn carries the text that same server returned for the turns before. In `explicit`
 mode each request names its session (`X-Session-ID`); in `off` and `implicit` modes none does, as an unmodified client
-would not. Each record's `measured_at_s` says when its request was sent. The result files are rewritten after every
-conversation, so a run that dies keeps what it measured; all servers are stopped at the end, also on error. Report
-rows and files: bench/sessions_report.py. Memory: every server has its own KV pool of `--kv-cache-memory` GiB, and the
-default run starts six (3 modes x 2 drafters) at once, so size the pool for six.
+would not; in `responses` mode each turn goes through the Responses API with only its new user message and the
+`previous_response_id` of the turn before (the server keeps the history and maps it onto its session). Each record's
+`measured_at_s` says when its request was sent. The result files are rewritten after every conversation, so a run that
+dies keeps what it measured; all servers are stopped at the end, also on error. Report rows and files:
+bench/sessions_report.py. Memory: every server has its own KV pool of `--kv-cache-memory` GiB, and the default run
+starts six (3 modes x 2 drafters) at once, so size the pool for six.
 """
 from __future__ import annotations
 
@@ -29,11 +32,12 @@ from tqdm import tqdm
 from bench.concurrency import level_order, running_servers, specserve_under_test
 from bench.data import load_questions
 from bench.sessions_report import ORDER, summary_rows, write_sessions_results
-from bench.sse_client import StreamedReply, chat_body, stream_chat
+from bench.sse_client import StreamedReply, chat_body, response_body, stream_chat, stream_response
 from engine.model.model_source import resolve_model_source
 
 SESSION_HEADER = "X-Session-ID"
 SESSION_NAMING_MODES = ("explicit",)  # modes whose requests carry a session id
+SERVER_SESSION_MODE = {"responses": "explicit"}  # a server's --session-mode where the bench mode is not one
 SELF_CORRECTION_PROMPTS = (
     "Write a Python program that prints the answer to this problem.\n\n{question}",
     "Review your code for mistakes.",
@@ -122,10 +126,16 @@ async def replay_conversation(client: httpx.AsyncClient, server: SessionServer, 
     messages: list[dict] = []
     records = []
     headers = session_headers(server.session_mode, conversation)
+    previous_response_id = None
     for turn, user_text in enumerate(conversation.user_turns, start=1):
         messages.append({"role": "user", "content": user_text})
         measured_at_s = time.perf_counter() - clock_start
-        reply = await stream_chat(client, server.api_url, chat_body(model, messages, max_tokens), headers)
+        if server.session_mode == "responses":  # the server keeps the history: only the new turn goes
+            body = response_body(model, user_text, previous_response_id, max_tokens)
+            reply = await stream_response(client, server.api_url, body)
+            previous_response_id = reply.response_id
+        else:
+            reply = await stream_chat(client, server.api_url, chat_body(model, messages, max_tokens), headers)
         records.append(turn_record(conversation, turn, server, reply, measured_at_s))
         messages.append({"role": "assistant", "content": reply.text})
     return records
@@ -164,8 +174,8 @@ def measure_servers(settings: list[tuple[str, str]], engine_flags: list[str], mo
                     after_conversation: Callable[[list[dict]], None]) -> list[dict]:
     """One specserve per (session mode, drafter) in SETTINGS, all up and warmed up at once, replaying CONVERSATIONS
     interleaved; all stopped on leaving, also on error."""
-    under_test = [specserve_under_test(drafter, [*engine_flags, "--session-mode", mode], model)
-                  for mode, drafter in settings]
+    under_test = [specserve_under_test(drafter, [*engine_flags, "--session-mode", SERVER_SESSION_MODE.get(mode, mode)],
+                                       model) for mode, drafter in settings]
     with running_servers(under_test, [WARMUP_MESSAGES], log_dir) as running:
         servers = [SessionServer(mode, drafter, r.api_url) for (mode, drafter), r in zip(settings, running)]
         return asyncio.run(replay_all(servers, model, conversations, max_tokens, after_conversation))

@@ -1,4 +1,5 @@
-"""One streamed chat completion, or completion of a text, against an OpenAI-compatible server, timed on the client."""
+"""One streamed chat completion, completion of a text, or Responses API turn, against an OpenAI-compatible server,
+timed on the client."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ class StreamedReply:
     num_text_chunks: int
     usage: dict | None  # the usage chunk (stream_options.include_usage), if the server sent one
     spec_stats: dict | None  # specserve's extension on the final chunks, if the server sent it
+    response_id: str | None = None  # a Responses API reply's id (what previous_response_id names)
 
     @property
     def completion_tokens(self) -> int:
@@ -78,3 +80,40 @@ async def stream_chat(
         raise RuntimeError("the server streamed no text")
     return StreamedReply("".join(pieces), first - start, time.perf_counter() - start, last - first, len(pieces), usage,
                          spec_stats)
+
+
+def response_body(model: str, user_text: str, previous_response_id: str | None, max_tokens: int) -> dict:
+    """A greedy streamed Responses API turn continuing PREVIOUS_RESPONSE_ID (None: the first turn)."""
+    return {"model": model, "input": user_text, "previous_response_id": previous_response_id,
+            "max_output_tokens": max_tokens, "temperature": 0.0, "stream": True}
+
+
+async def stream_response(client: httpx.AsyncClient, url: str, body: dict) -> StreamedReply:
+    """POST BODY to URL/responses and read its events to the end; usage as the chat endpoint names it."""
+    start = time.perf_counter()
+    first = last = None
+    pieces: list[str] = []
+    final = None
+    async with client.stream("POST", url + "/responses", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:500]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[len("data: "):])
+            if event["type"] == "error":
+                raise RuntimeError(f"{url} reported an error mid-stream: {event}")
+            if event["type"] == "response.output_text.delta":
+                last = time.perf_counter()
+                first = first or last
+                pieces.append(event["delta"])
+            elif event["type"] in ("response.completed", "response.incomplete"):
+                final = event["response"]
+    if first is None or final is None:
+        raise RuntimeError("the server streamed no text or no final response")
+    usage = final["usage"]
+    chat_usage = {"prompt_tokens": usage["input_tokens"], "completion_tokens": usage["output_tokens"],
+                  "prompt_tokens_details": usage["input_tokens_details"]}
+    return StreamedReply("".join(pieces), first - start, time.perf_counter() - start, last - first, len(pieces),
+                         chat_usage, None, final["id"])
