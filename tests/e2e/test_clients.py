@@ -171,8 +171,10 @@ def lm_eval_offline(monkeypatch):
 
 
 @pytest.mark.slow
-def test_lm_eval_scores_a_multiple_choice_task_as_its_own_hf_backend_does(servers, float32_server, tmp_path,
-                                                                           lm_eval_offline):
+def test_lm_eval_scores_a_multiple_choice_task_as_its_own_hf_backend_does(float32_server, tmp_path, lm_eval_offline):
+    """Through a float32 server that speculates (CopySpec, the default), every choice's log-likelihood is lm-eval's
+    own hf backend's on the same weights (engine/test_prompt_logprobs.py shows speculation changes no figure at
+    all)."""
     task = task_configs(tmp_path)["multiple_choice"]
     served, served_samples = evaluate("local-completions", completions_model_args(float32_server.api_url, "x"), task)
     reference, reference_samples = evaluate(
@@ -182,9 +184,6 @@ def test_lm_eval_scores_a_multiple_choice_task_as_its_own_hf_backend_does(server
     for item, (have, expected) in enumerate(zip(got, want)):
         assert have == pytest.approx(expected, abs=LOGLIKELIHOOD_TOLERANCE), (item, have, expected)
     assert served["acc,none"] == reference["acc,none"]
-    by_drafter = {name: loglikelihoods(evaluate("local-completions", completions_model_args(*servers[name]), task)[1])
-                  for name in ("copyspec", "none")}
-    assert by_drafter["copyspec"] == by_drafter["none"]  # speculation changes no figure
 
 
 @pytest.mark.slow
@@ -194,8 +193,8 @@ def test_lm_eval_runs_a_generation_task_through_chat_completions(servers, tmp_pa
     for name, (api_url, api_key) in servers.items():
         args = {"model": MODEL, "base_url": f"{api_url}/chat/completions", "num_concurrent": 1, "max_retries": 1,
                 "header": {"Authorization": f"Bearer {api_key}"}}
-        results, samples = evaluate("local-chat-completions", args, task, apply_chat_template=True)
+        results, samples = evaluate("local-chat-completions", args, task, apply_chat_template=True, limit=2)
         assert 0.0 <= results["exact_match,none"] <= 1.0
         outputs[name] = [sample["resps"] for sample in samples]
-        assert len(outputs[name]) == 4 and all(json.dumps(resp) for resp in outputs[name])
+        assert len(outputs[name]) == 2 and all(json.dumps(resp) for resp in outputs[name])
     assert outputs["copyspec"] == outputs["none"]

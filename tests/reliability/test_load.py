@@ -8,7 +8,7 @@ import pytest
 from bench.server_process import start_server, stop_server
 from bench.soak import LoadConfig, resident_mib, run_load, settle
 
-CLIENTS, SECONDS = 12, 15
+CLIENTS, SECONDS = 12, 10
 MEMORY_GROWTH_BOUND = 0.10  # after the load, server + engine RSS within 10% of the baseline (the soak's bound)
 
 
