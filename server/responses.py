@@ -67,9 +67,8 @@ async def create_response(context: ServingContext, body: ResponsesRequest, http_
         finished = await watch_disconnect(http_request, collect_choices(generations))
     finally:
         await close()
-    items = OutputItems()
-    items.add(*parse_reply(finished[0].text, bool(tools)))
-    return JSONResponse(turn.finish(items.items, finished[0].finish_reason, len(prompt_token_ids), generations))
+    output = output_items(finished[0].text, bool(tools))
+    return JSONResponse(turn.finish(output, finished[0].finish_reason, len(prompt_token_ids), generations))
 
 
 async def retrieve_response(context: ServingContext, response_id: str) -> JSONResponse:
@@ -97,21 +96,11 @@ def new_response_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def parse_reply(text: str, parses_tools: bool) -> tuple[str | None, list[ToolCall]]:
-    """A whole reply's text and tool calls (parsed as the chat endpoint parses them, when tools are offered)."""
-    return parse_tool_calls(text) if parses_tools else (text, [])
-
-
-class OutputItems:
-    """A response's output items as they are known: a message item for text, a function_call item per call."""
-
-    def __init__(self) -> None:
-        self.items: list[dict[str, Any]] = []
-
-    def add(self, text: str | None, calls: list[ToolCall]) -> None:
-        if text:
-            self.items.append(message_item(text))
-        self.items.extend(function_call_item(call) for call in calls)
+def output_items(reply: str, parses_tools: bool) -> list[dict[str, Any]]:
+    """A whole reply's output items: a message item for its text, a function_call item per tool call (parsed as the
+    chat endpoint parses them, when tools are offered)."""
+    text, calls = parse_tool_calls(reply) if parses_tools else (reply, [])
+    return ([message_item(text)] if text else []) + [function_call_item(call) for call in calls]
 
 
 def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
@@ -145,8 +134,8 @@ class Turn:
             "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
             "model": self.model_name, "output": output, "output_text": _output_text(output),
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "temperature": body.temperature, "top_p": body.top_p, "tools": [tool.model_dump() for tool in
-                                                                             body.tools or []],
+            "temperature": body.temperature, "top_p": body.top_p,
+            "tools": [tool.model_dump() for tool in body.tools or []],
             "tool_choice": body.tool_choice_json, "parallel_tool_calls": body.parallel_tool_calls is not False,
             "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text else
                                 {"type": "text"})},
