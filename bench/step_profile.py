@@ -91,7 +91,7 @@ def timed_step(engine, profile: bool) -> tuple[dict[str, float], dict[str, float
     times["update"] = time.perf_counter()
     engine._after_update(sched_out, batch, model_out, results, update)
     times["draft"] = time.perf_counter()
-    msgspec.msgpack.encode(EngineOutputs([_wire_output(u, None) for u in update.updates], update.stats))
+    msgspec.msgpack.encode(EngineOutputs([_wire_output(u, None, None) for u in update.updates], update.stats))
     times["wire"] = time.perf_counter()
     phases, previous = {}, start
     for phase in PHASES:
