@@ -15,7 +15,7 @@ from server.errors import install_error_handlers
 from server.openapi import document_request_bodies
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses_protocol import ResponsesRequest
-from server.router import api_router, router
+from server.router import api_router, router, token_router
 from server.serving import ServingContext
 
 logger = logging.getLogger("specserve.server")
@@ -43,6 +43,7 @@ def build_app(config: Config, engine: EngineClient, tokenizer: Any) -> FastAPI:
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(api_router)
+    app.include_router(token_router)
     document_request_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
                                   "/v1/responses": ResponsesRequest})
     return app

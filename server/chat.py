@@ -52,15 +52,17 @@ async def create_chat_completion(
 
 
 def render_chat_prompt(
-    tokenizer: Any, messages: list[ChatMessage], tools: list[ToolDefinition] | None = None
+    tokenizer: Any, messages: list[ChatMessage], tools: list[ToolDefinition] | None = None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
-    """Token ids of the conversation and offered tools, rendered by the model's chat template, ready for the reply."""
+    """Token ids of the conversation and offered tools, rendered by the model's chat template, ready for the reply
+    (without the reply's opening where ADD_GENERATION_PROMPT is false)."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
     conversation, template_kwargs = conversation_with_tools(tokenizer, [_template_message(m) for m in messages], tools)
     try:
         rendered = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True, **template_kwargs
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs
         )
     except (jinja2.TemplateError, ValueError) as exc:
         raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc

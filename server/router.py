@@ -1,4 +1,4 @@
-"""The HTTP routes: chat and text completions, responses, the model list, and health."""
+"""The HTTP routes: chat and text completions, responses, the model list, tokenize and detokenize, and health."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
@@ -14,9 +14,11 @@ from server.request_body import read_request
 from server.responses import create_response, retrieve_response
 from server.responses_protocol import ResponsesRequest
 from server.serving import ServingContext
+from server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 router = APIRouter()  # public: health
 api_router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])  # the OpenAI API
+token_router = APIRouter(dependencies=[Depends(require_api_key)])  # vLLM's /tokenize and /detokenize
 
 
 def serving_context(request: Request) -> ServingContext:
@@ -55,6 +57,20 @@ async def list_models(request: Request) -> JSONResponse:
     ready = context.require_ready()
     card = ModelCard(id=context.served_model_name(ready), max_model_len=ready.max_model_len)
     return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+
+@token_router.post("/tokenize")
+async def tokenize_route(request: Request) -> JSONResponse:
+    context = serving_context(request)
+    body = await read_request(request, TokenizeRequest, context.config.server.max_request_bytes)
+    return await tokenize(context, body)
+
+
+@token_router.post("/detokenize")
+async def detokenize_route(request: Request) -> JSONResponse:
+    context = serving_context(request)
+    body = await read_request(request, DetokenizeRequest, context.config.server.max_request_bytes)
+    return await detokenize(context, body)
 
 
 @router.get("/metrics")
