@@ -115,7 +115,7 @@ class Engine:
         computes_prompt = request.sampling.prompt_logprobs is not None or self.speculation.needs_every_position
         req = Request(
             request.request_id, list(request.prompt_token_ids), request.sampling, request.session_id,
-            prompt_source=None if computes_prompt else request.prompt_source,
+            prompt_source=None if computes_prompt else request.prompt_source, continues=request.continues,
         )
         try:
             session_key = self.scheduler.add_request(req)
@@ -325,6 +325,7 @@ class Engine:
             stats.session_host_bytes = self._bound_session_memory()
             counts = sessions.take_stats()
             stats.session_hits, stats.session_misses = counts.hits, counts.misses
+            stats.conversation_hits, stats.conversation_misses = counts.conversation_hits, counts.conversation_misses
             stats.session_reused_tokens, stats.session_evictions = counts.reused_tokens, counts.evictions
             stats.num_sessions = sessions.num_sessions
         stats.drafter_state_bytes = self.speculation.state_bytes()

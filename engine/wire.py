@@ -55,6 +55,7 @@ class EngineRequest(msgspec.Struct, tag="add"):
     sampling: SamplingParams
     session_id: str | None = None
     prompt_source: str | None = None  # an earlier choice of the same request (same prompt): its prompt KV is shared
+    continues: bool = False  # a later turn of a conversation (its messages hold an earlier reply)
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):

@@ -141,6 +141,8 @@ class StepStats:
     session_misses: int = 0  # requests since the last step that looked for a session and found none
     session_reused_tokens: int = 0  # their prompt tokens whose KV came from a session: prefill saved
     session_evictions: int = 0  # sessions evicted since the last step
+    conversation_hits: dict[str, int] = field(default_factory=dict)  # by kind: later turns continued from a session
+    conversation_misses: dict[str, int] = field(default_factory=dict)  # by kind: later turns that found none
     num_sessions: int = 0  # sessions cached after the step
     drafter_state_bytes: int = 0  # memory of drafter states (live requests and cached sessions) after the step
     session_host_bytes: int = 0  # host memory of cached sessions (histories, block lists, their drafter states)

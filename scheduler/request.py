@@ -39,6 +39,7 @@ class Request:
     spec: SpecStats = field(default_factory=SpecStats)
     arrival_time: float = field(default_factory=time.monotonic)  # seconds, monotonic clock
     prompt_source: str | None = None  # an earlier choice of the same request (same prompt) whose prompt KV it reads
+    continues: bool = False  # a later turn of a conversation: counted as a session hit or miss (scheduler/sessions.py)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from drafters.base import TOKEN_BYTES, common_prefix_len
@@ -54,6 +54,14 @@ class SessionStats:
     misses: int = 0  # requests that looked for one and found none
     reused_tokens: int = 0  # prompt tokens whose KV came from a session: prefill saved
     evictions: int = 0  # sessions dropped by the LRU, the TTL or the cap
+    # later turns of conversations (requests that say they continue one), by kind (explicit: named; implicit:
+    # matched by prefix): continued from their cached session, or arrived where none was cached
+    conversation_hits: dict[str, int] = field(default_factory=dict)
+    conversation_misses: dict[str, int] = field(default_factory=dict)
+
+    def count_conversation(self, kind: str, continued: bool) -> None:
+        counts = self.conversation_hits if continued else self.conversation_misses
+        counts[kind] = counts.get(kind, 0) + 1
 
 
 class SessionStore:
@@ -100,6 +108,7 @@ class SessionStore:
             session = self._longest_prefix_session(req.prompt_token_ids)
         if session is None:
             self.stats.misses += 1
+            self._count_conversation(req, continued=False)
             self._turn_keys[req.request_id] = named or self._new_implicit_key()
             return None
         self.stats.hits += 1
@@ -107,8 +116,15 @@ class SessionStore:
         self._share_prefix(req, session, num_common)
         self._touch(session)
         continues = session.key == named or (named is None and num_common >= session.num_prompt_tokens)
+        self._count_conversation(req, continued=continues)
         self._turn_keys[req.request_id] = named or (session.key if continues else self._new_implicit_key())
         return session.key if continues else None
+
+    def _count_conversation(self, req: Request, continued: bool) -> None:
+        """A later turn of a conversation is a hit where it continues its cached session, else a miss: it arrived
+        on a replica that does not hold it (or its session was evicted). First turns count as neither."""
+        if req.continues:
+            self.stats.count_conversation("explicit" if req.session_id is not None else "implicit", continued)
 
     def _share_prefix(self, req: Request, session: Session, num_common: int) -> None:
         """The request reads the session's blocks of their common prefix; its last prompt token is always computed."""

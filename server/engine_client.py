@@ -10,6 +10,7 @@ import re
 import tempfile
 import time
 import uuid
+from collections import Counter
 from typing import AsyncIterator, Callable
 
 import msgspec
@@ -108,6 +109,9 @@ class EngineClient:
         self.on_give_up = on_give_up  # called once the restart budget is spent (the server then exits non-zero)
         self.ready: EngineReady | None = None
         self.last_step_stats = StepStats()
+        # later turns of conversations since the server started, by kind: continued from a cached session, or not
+        self.session_hits: Counter[str] = Counter()
+        self.session_misses: Counter[str] = Counter()
         self.dead_reason: str | None = None  # why the current engine is not serving
         self.gave_up: str | None = None  # why the server stopped restarting engines
         self.num_restarts = 0
@@ -269,6 +273,8 @@ class EngineClient:
 
     def _dispatch(self, message: EngineOutputs) -> None:
         self.last_step_stats = message.stats
+        self.session_hits.update(message.stats.conversation_hits)
+        self.session_misses.update(message.stats.conversation_misses)
         if self.metrics:
             self.metrics.observe_step(message.stats)
         for output in message.outputs:

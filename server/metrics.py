@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from engine.wire import RequestOutput, StepStats
 
 PREFIX = "specserve:"
+SESSION_KINDS = ("explicit", "implicit")  # how a conversation finds its session: named, or by its prompt's prefix
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
@@ -91,6 +92,14 @@ class ServerMetrics:
             "Prompt tokens whose KV came from a cached session (prefill saved)",
         )
         self.session_evictions = self._counter("session_cache_evictions_total", "Cached sessions evicted")
+        self.conversation_hits = self._counter(
+            "session_hits_total", "Later turns of conversations continued from this replica's session cache, by kind "
+            "(explicit: named by X-Session-ID or session_id; implicit: matched by prompt prefix)", ("kind",),
+        )
+        self.conversation_misses = self._counter(
+            "session_misses_total", "Later turns of conversations that found no cached session here, by kind",
+            ("kind",),
+        )
         self.num_sessions = self._gauge("session_cache_num_sessions", "Sessions held in the session cache")
         self.drafter_state_bytes = self._gauge(
             "drafter_state_bytes",
@@ -114,6 +123,9 @@ class ServerMetrics:
             self.num_sessions, self.drafter_state_bytes, self.session_host_bytes,
         ):
             metric.labels(m)
+        for kind in SESSION_KINDS:
+            self.conversation_hits.labels(m, kind)
+            self.conversation_misses.labels(m, kind)
 
     # --- engine steps -------------------------------------------------------------------
     def observe_step(self, stats: StepStats) -> None:
@@ -145,6 +157,10 @@ class ServerMetrics:
         self.session_misses.labels(m).inc(stats.session_misses)
         self.session_reused_tokens.labels(m).inc(stats.session_reused_tokens)
         self.session_evictions.labels(m).inc(stats.session_evictions)
+        for kind, count in stats.conversation_hits.items():
+            self.conversation_hits.labels(m, kind).inc(count)
+        for kind, count in stats.conversation_misses.items():
+            self.conversation_misses.labels(m, kind).inc(count)
         self.num_sessions.labels(m).set(stats.num_sessions)
         self.drafter_state_bytes.labels(m).set(stats.drafter_state_bytes)
         self.session_host_bytes.labels(m).set(stats.session_host_bytes)

@@ -9,6 +9,7 @@ from server.auth import require_api_key
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.errors import SERVER_ERROR, APIError, api_error_response, engine_unavailable, shutting_down
+from server.metrics import SESSION_KINDS
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from server.request_body import read_request
 from server.responses import create_response, retrieve_response
@@ -99,6 +100,8 @@ async def health(request: Request) -> JSONResponse:
             "num_sessions": stats.num_sessions,
             "drafter_state_bytes": stats.drafter_state_bytes,
             "session_host_bytes": stats.session_host_bytes,
+            "session_hits": {kind: engine.session_hits[kind] for kind in SESSION_KINDS},
+            "session_misses": {kind: engine.session_misses[kind] for kind in SESSION_KINDS},
             **supervision_fields(engine),
         })
     reason = engine.dead_reason or "the engine is still starting"

@@ -117,9 +117,16 @@ def build_engine_requests(
             sampling=_for_choice(sampling, index),
             session_id=session_id if index == 0 else None,
             prompt_source=f"{request_id}-0" if index else None,
+            continues=continues_conversation(body),
         )
         for index in range(body.num_choices)
     ]
+
+
+def continues_conversation(body: SamplingFields) -> bool:
+    """Whether the request carries an earlier reply of its conversation (an assistant or tool message): a later turn,
+    counted as a session hit or miss. A text completion does not say, so it counts as neither."""
+    return any(message.role in ("assistant", "tool") for message in getattr(body, "messages", None) or ())
 
 
 def check_num_choices(num_choices: int, max_choices: int) -> None:

@@ -62,8 +62,15 @@ def metric(server, name: str) -> float:
     return sum(s.value for f in families for s in f.samples if s.name == name and s.labels.get("model_name") == MODEL)
 
 
+def conversations(server) -> dict:
+    """/health's later turns since the server started: continued from a cached session or not, by kind."""
+    health = httpx.get(server.base_url + "/health", timeout=10).json()
+    return {"hits": health["session_hits"], "misses": health["session_misses"]}
+
+
 def test_an_unmodified_client_resending_the_history_finds_its_session(server, client, off_client, reference_model):
     hits_before = metric(server, "specserve:session_cache_hits_total")
+    counted_before = conversations(server)
     first = [{"role": "user", "content": TURN1}]
     answer = chat(client, first).choices[0].message.content
     second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": TURN2}]
@@ -72,12 +79,16 @@ def test_an_unmodified_client_resending_the_history_finds_its_session(server, cl
     assert cached >= reply.usage.prompt_tokens - 40, "the whole history before the new turn should be reused"
     assert metric(server, "specserve:session_cache_hits_total") > hits_before
     assert metric(server, "specserve:session_cache_reused_prefix_tokens_total") >= cached
+    counted = conversations(server)
+    assert counted["hits"]["implicit"] == counted_before["hits"]["implicit"] + 1  # the second turn; the first: neither
+    assert counted["misses"] == counted_before["misses"]
     assert_same_answer(
         reference_model, second, chat(off_client, second).choices[0].message.content, reply.choices[0].message.content
     )
 
 
-def test_a_named_session_is_found_by_header_and_by_body_field(client):
+def test_a_named_session_is_found_by_header_and_by_body_field(server, client):
+    counted_before = conversations(server)
     first = [{"role": "user", "content": "List four animals that live in the sea."}]
     answer = chat(client, first, extra_headers={"X-Session-ID": "e2e-named"}).choices[0].message.content
     second = first + [
@@ -89,6 +100,10 @@ def test_a_named_session_is_found_by_header_and_by_body_field(client):
     by_body = chat(client, second, extra_body={"session_id": "e2e-named"})
     assert by_body.usage.prompt_tokens_details.cached_tokens > 0
     assert by_body.choices[0].message.content == by_header.choices[0].message.content
+    chat(client, second, max_tokens=1, extra_headers={"X-Session-ID": "e2e-held-elsewhere"})  # arrives without it
+    counted = conversations(server)
+    assert counted["hits"]["explicit"] == counted_before["hits"]["explicit"] + 2
+    assert counted["misses"]["explicit"] == counted_before["misses"]["explicit"] + 1
 
 
 def test_a_client_that_edits_an_earlier_turn_gets_the_answer_a_fresh_server_gives(client, off_client, reference_model):

@@ -186,3 +186,24 @@ def test_named_and_implicit_sessions_never_share_a_key(mode):
     finish_turn(store, blocks, "named", [1] * 9, [2], session_id="implicit:1")
     finish_turn(store, blocks, "anon", [5] * 9, [6])
     assert len(store.sessions) == 2 and "named:implicit:1" in store.sessions
+
+
+def later_turn(store, request_id, prompt, session_id=None):
+    req = Request(request_id, list(prompt), SamplingParams(temperature=0.0), session_id, continues=True)
+    return req, store.attach(req)
+
+
+def test_later_turns_count_as_hits_where_their_conversation_is_cached_and_misses_where_not_by_kind():
+    store, blocks, _ = make_store()
+    finish_turn(store, blocks, "named-1", TURN1, ANSWER1, session_id="chat-1")
+    finish_turn(store, blocks, "anon-1", [7] * 12, [8] * 6)
+    store.take_stats()  # first turns count as neither
+    later_turn(store, "named-2", TURN1 + ANSWER1 + [300], session_id="chat-1")  # its session: hit
+    later_turn(store, "lost-2", [1, 2, 3, 4, 5], session_id="chat-elsewhere")  # held by another replica: miss
+    later_turn(store, "anon-2", [7] * 12 + [8] * 6 + [9])  # continues the anonymous conversation: hit
+    later_turn(store, "stranger-2", [7] * 8 + [5] * 10)  # shares a prefix, continues nothing cached: miss
+    new_request(store, "fresh", [6] * 9)  # a first turn that finds nothing: neither
+    stats = store.take_stats()
+    assert stats.conversation_hits == {"explicit": 1, "implicit": 1}
+    assert stats.conversation_misses == {"explicit": 1, "implicit": 1}
+    assert (stats.hits, stats.misses) == (3, 2)  # the cache's own lookups count every request

@@ -2,6 +2,8 @@
 around an engine stand-in (`make_client`, used by test_http.py and test_auth.py)."""
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -40,6 +42,7 @@ class StandInEngine:
         self.requests = []  # EngineRequests that reached generate
         self.events = []  # "start" / "shutdown"
         self.last_step_stats = StepStats(num_running=2, num_waiting=1, kv_cache_usage=0.25, num_sessions=3)
+        self.session_hits, self.session_misses = Counter(explicit=5), Counter(implicit=2)
         self.dead_reason = None if healthy else "killed by the test"
         self.metrics = None
 

@@ -125,6 +125,7 @@ def test_health_and_models_when_ready(make_client):
     expected = {
         "status": "ok", "num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25, "num_sessions": 3,
         "drafter_state_bytes": 0, "session_host_bytes": 0, "engine_restarts": 0, "last_engine_exit": None,
+        "session_hits": {"explicit": 5, "implicit": 0}, "session_misses": {"explicit": 0, "implicit": 2},
     }
     assert client.get("/health").json() == client.get("/health/ready").json() == expected
     assert client.get("/health/live").json() == {
@@ -201,6 +202,16 @@ def test_engine_request_carries_sampling_and_session(make_client, tokenizer):
     assert sampling.max_tokens == MAX_MODEL_LEN - len(chat_request.prompt_token_ids)
     assert (chat_request.session_id, completion_request.session_id) == ("from-header", "from-body")
     assert completion_request.sampling.max_tokens == 4
+    assert not chat_request.continues and not completion_request.continues  # first turns; a completion cannot say
+
+
+def test_a_chat_request_holding_an_earlier_reply_is_sent_as_a_later_turn(make_client):
+    client, engine = make_client(StandInEngine(submit_error=QueueFullError()))
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+             {"role": "user", "content": "and?"}]
+    client.post("/v1/chat/completions", json={**CHAT, "messages": turns})
+    client.post("/v1/chat/completions", json={**CHAT, "messages": turns[:1]})
+    assert [request.continues for request in engine.requests] == [True, False]
 
 
 def test_lifespan_starts_and_shuts_down_the_engine(make_client):

@@ -87,3 +87,17 @@ def test_kv_and_session_fields_feed_their_series_when_the_engine_sends_them():
     assert sample(metrics, "session_cache_reused_prefix_tokens_total") == 80
     assert sample(metrics, "session_cache_evictions_total") == 2
     assert sample(metrics, "session_cache_num_sessions") == 3
+
+
+def test_later_turns_feed_session_hits_and_misses_by_kind_both_kinds_exported_from_the_start():
+    metrics = ServerMetrics(MODEL)
+    for kind in ("explicit", "implicit"):
+        assert sample(metrics, "session_hits_total", kind=kind) == 0
+        assert sample(metrics, "session_misses_total", kind=kind) == 0
+    stats = StepStats(conversation_hits={"explicit": 2, "implicit": 1}, conversation_misses={"implicit": 3})
+    metrics.observe_step(stats)
+    metrics.observe_step(stats)
+    assert sample(metrics, "session_hits_total", kind="explicit") == 4
+    assert sample(metrics, "session_hits_total", kind="implicit") == 2
+    assert sample(metrics, "session_misses_total", kind="implicit") == 6
+    assert sample(metrics, "session_misses_total", kind="explicit") == 0
