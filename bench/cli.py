@@ -24,6 +24,7 @@ from bench.mt import run_mt_benchmark
 from bench.ngram import DATASETS as NGRAM_DATASETS
 from bench.ngram import run_ngram_benchmark
 from bench.pld_plus import run_pld_plus_benchmark
+from bench.replicas import add_replicas_flags, run_replicas
 from bench.roofline import BATCH_SIZES as ROOFLINE_BATCH_SIZES
 from bench.roofline import CPU_MT_RESULTS, VERIFY_TOKENS, run_roofline
 from bench.roofline import SHAPES as ROOFLINE_SHAPES
@@ -326,6 +327,8 @@ BENCHMARKS: dict[str, Benchmark] = {
                              lambda args: ["humaneval" if args.completions else "mt-redundant"],
                              add_concurrency_flags),
     "sessions": Benchmark("multi-turn conversations per session mode", run_sessions, sessions_data, add_sessions_flags),
+    "replicas": Benchmark("replicas behind vLLM's router: session hits, time to first token, a replica killed",
+                          run_replicas, lambda args: ["mt-redundant"], add_replicas_flags, serves_model=False),
     "step-profile": Benchmark("where a step's time goes", run_step_profile, lambda args: ["mt-redundant"]),
     "soak": Benchmark("streaming clients against one server for minutes: memory and errors",
                       lambda args, config, tokenizer, out: run_soak(args, out), lambda args: [], add_soak_flags),

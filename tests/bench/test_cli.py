@@ -9,7 +9,7 @@ OWN_FLAGS = {  # a flag each benchmark has that the others need not
     "spec-bench": "--limit", "ngram": "--grid-limit", "spectra": "--grid-limit", "concurrency": "--warm-prompts",
     "sessions": "--session-modes", "roofline": "--graph-max-tokens",
     "step-profile": "--data-dir", "soak": "--soak-clients", "api": "--variants", "models": "--min-requests",
-    "long-context": "--definition-tokens",
+    "long-context": "--definition-tokens", "replicas": "--replica-kv-gib",
 }
 
 
