@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from engine.wire import DraftStepStats, RequestOutput, StepStats
 from server.metrics import ServerMetrics
 from tests.deploy.dashboards import metric_names, panel_queries, panels
-from tests.deploy.tools import COMPOSE, DASHBOARDS, REPO
+from tests.deploy.tools import COMPOSE, COMPOSE_REPLICAS, DASHBOARDS, REPO
 
 REQUIRED_METRICS = {  # what the dashboard must show, by the metric that shows it
     "throughput": "specserve:generation_tokens_total",
@@ -94,8 +95,9 @@ def test_queries_filter_on_the_model_variable_and_use_the_rate_interval():
         assert "[$__rate_interval]" in query.expr or "rate(" not in query.expr, query
 
 
-def test_compose_provisions_the_dashboards_and_the_datasource():
-    grafana = yaml.safe_load(COMPOSE.read_text())["services"]["grafana"]
+@pytest.mark.parametrize("compose", [COMPOSE, COMPOSE_REPLICAS], ids=lambda path: path.name)
+def test_compose_provisions_the_dashboards_and_the_datasource(compose):
+    grafana = yaml.safe_load(compose.read_text())["services"]["grafana"]
     mounts = dict(volume.rsplit(":", 2)[:2] for volume in grafana["volumes"])
     provider = yaml.safe_load((REPO / "deploy/grafana/provisioning/dashboards/specserve.yaml").read_text())
     assert mounts["../deploy/grafana/dashboards"] == provider["providers"][0]["options"]["path"]

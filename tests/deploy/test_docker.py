@@ -14,7 +14,7 @@ import yaml
 
 from bench.server_process import specserve_command
 from specserve import build_parser
-from tests.deploy.tools import COMPOSE, DOCKER, DOCKERFILES, ENTRYPOINT, K8S, REPO, venv_tool
+from tests.deploy.tools import COMPOSE, COMPOSE_REPLICAS, DOCKER, DOCKERFILES, ENTRYPOINT, K8S, REPO, venv_tool
 
 IMAGE_ENTRYPOINT = "/usr/local/bin/specserve-entrypoint"
 ENV_FLAGS = {  # SPECSERVE_* variable -> (a value, the flag it sets): every variable the entrypoint reads
@@ -142,3 +142,25 @@ def test_compose_builds_the_cpu_image_and_prometheus_scrapes_it():
     (target,) = config["scrape_configs"][0]["static_configs"][0]["targets"]
     assert target == "specserve:8000" and "127.0.0.1:8000:8000" in services["specserve"]["ports"]
     assert shlex.split(" ".join(services["prometheus"]["command"]))[0] == "--config.file=/etc/prometheus/prometheus.yml"
+
+
+def test_the_replicas_compose_puts_the_router_in_front_of_every_replica_and_prometheus_scrapes_them_all():
+    services = yaml.safe_load(COMPOSE_REPLICAS.read_text())["services"]
+    replicas = sorted(name for name in services if name.startswith("replica-"))
+    assert len(replicas) == 3
+    router = services["router"]
+    assert router["entrypoint"] == ["vllm-router"] and "127.0.0.1:8000:8000" in router["ports"]
+    assert router["image"] == services[replicas[0]]["image"]  # the image brings vllm-router (the router extra)
+    assert all("ports" not in services[name] for name in replicas)  # reached through the router only
+    workers = router["command"][router["command"].index("--worker-urls") + 1:]
+    assert workers == [f"http://{name}:8000" for name in replicas]
+    assert "--policy=cache_aware" in router["command"]
+    for service in services.values():
+        for volume in service.get("volumes", []):
+            assert (DOCKER / volume.split(":")[0]).exists(), volume
+    mounted = dict(v.split(":")[:2] for v in services["prometheus"]["volumes"])
+    config = yaml.safe_load((DOCKER / next(k for k, v in mounted.items() if v == "/etc/prometheus/prometheus.yml"))
+                            .read_text())
+    targets = {job["job_name"]: job["static_configs"][0]["targets"] for job in config["scrape_configs"]}
+    port = next(a for a in router["command"] if a.startswith("--prometheus-port=")).split("=")[1]
+    assert targets == {"specserve": [f"{name}:8000" for name in replicas], "router": [f"router:{port}"]}

@@ -1,7 +1,8 @@
 """deploy/k8s renders with kustomize, and the rendered objects validate offline: the built-in kinds against the
 Kubernetes OpenAPI schemas (kubernetes-validate, strict: unknown fields fail) of the oldest and newest versions it
 ships; the prometheus-operator kinds against tests/deploy/crd_schemas.py; and the objects point at each other
-(selectors, named ports, probe paths, scale target, the metric the autoscaler reads, session-affinity hashing)."""
+(selectors, named ports, probe paths, scale target, the metric the autoscaler reads, the router's discovery of the
+replicas and its permission to watch them)."""
 from __future__ import annotations
 
 import jsonschema
@@ -16,30 +17,33 @@ from server.drain import CLOSE_GRACE_S
 from tests.deploy.crd_schemas import CRD_SCHEMAS
 from tests.deploy.tools import RULES, render_k8s
 
-BUILT_IN_KINDS = {"Deployment", "Service", "Ingress", "HorizontalPodAutoscaler"}
-CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
+ROUTER = "specserve-router"  # the router's objects' name (deploy/k8s/router.yaml)
+# the rendered objects: the replicas' by their kind, the router's as KIND/NAME (tests/deploy/tools.py)
+BUILT_IN = ["Deployment", "Service", "Ingress", "HorizontalPodAutoscaler",
+            *(f"{kind}/{ROUTER}" for kind in ("Deployment", "Service", "ServiceAccount", "Role", "RoleBinding"))]
+CRDS = ["ServiceMonitor", "PrometheusRule", f"ServiceMonitor/{ROUTER}"]
 VERSIONS = (min(kv_utils.all_versions(), key=Version), kv_utils.latest_version())
 
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, dict]:
-    by_kind = render_k8s()
-    assert set(by_kind) == BUILT_IN_KINDS | CRD_KINDS
-    return by_kind
+    by_key = render_k8s()
+    assert set(by_key) == {*BUILT_IN, *CRDS}
+    return by_key
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-@pytest.mark.parametrize("kind", sorted(BUILT_IN_KINDS))
-def test_built_in_kinds_validate_against_the_kubernetes_schemas(rendered, kind, version):
-    kubernetes_validate.validate(rendered[kind], version, strict=True)  # raises ValidationError
+@pytest.mark.parametrize("key", BUILT_IN)
+def test_built_in_kinds_validate_against_the_kubernetes_schemas(rendered, key, version):
+    kubernetes_validate.validate(rendered[key], version, strict=True)  # raises ValidationError
 
 
-@pytest.mark.parametrize("kind", sorted(CRD_KINDS))
-def test_prometheus_operator_kinds_validate_against_their_crd_schemas(rendered, kind):
+@pytest.mark.parametrize("key", CRDS)
+def test_prometheus_operator_kinds_validate_against_their_crd_schemas(rendered, key):
     with pytest.raises(kubernetes_validate.SchemaNotFoundError):  # no schema there: ours is needed
-        kubernetes_validate.validate(rendered[kind], VERSIONS[-1], strict=True)
-    obj = rendered[kind]
-    jsonschema.validate(obj, CRD_SCHEMAS[(obj["apiVersion"], kind)])
+        kubernetes_validate.validate(rendered[key], VERSIONS[-1], strict=True)
+    obj = rendered[key]
+    jsonschema.validate(obj, CRD_SCHEMAS[(obj["apiVersion"], obj["kind"])])
 
 
 def pod_labels(rendered) -> dict:
@@ -85,13 +89,45 @@ def test_service_reaches_the_pods_and_the_service_monitor_scrapes_it(rendered):
     assert all(e["path"] == "/metrics" for e in monitor["endpoints"])
 
 
-def test_ingress_hashes_on_the_session_header_to_the_service(rendered):
+def router_args(rendered) -> dict[str, str]:
+    (router,) = rendered[f"Deployment/{ROUTER}"]["spec"]["template"]["spec"]["containers"]
+    args = iter(router["args"])
+    flags = {}
+    for arg in args:  # --flag=value, --flag value, or a bare --flag
+        name, _, value = arg.partition("=")
+        flags[name] = value or (next(args) if name in ("--selector",) else "")
+    return flags
+
+
+def test_ingress_sends_clients_to_the_router_and_the_router_service_reaches_its_pod(rendered):
     ingress = rendered["Ingress"]
-    assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"] == "$http_x_session_id"
     backends = [p["backend"]["service"] for r in ingress["spec"]["rules"] for p in r["http"]["paths"]]
-    service = rendered["Service"]
+    service = rendered[f"Service/{ROUTER}"]
     assert backends and all(b["name"] == service["metadata"]["name"] for b in backends)
     assert {b["port"]["name"] for b in backends} <= {p["name"] for p in service["spec"]["ports"]}
+    router_pod = rendered[f"Deployment/{ROUTER}"]["spec"]["template"]
+    assert service["spec"]["selector"].items() <= router_pod["metadata"]["labels"].items()
+    (router,) = router_pod["spec"]["containers"]
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == {p["name"] for p in router["ports"]}
+    monitor = rendered[f"ServiceMonitor/{ROUTER}"]["spec"]
+    assert monitor["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert [e["port"] for e in monitor["endpoints"]] == ["metrics"]
+    assert router_args(rendered)["--prometheus-port"] == str(next(p["containerPort"] for p in router["ports"]
+                                                               if p["name"] == "metrics"))
+
+
+def test_the_router_discovers_the_replicas_pods_and_may_watch_them(rendered):
+    flags = router_args(rendered)
+    key, _, value = flags["--selector"].partition("=")
+    assert pod_labels(rendered)[key] == value  # it finds the replicas' pods, and only theirs
+    assert rendered[f"Deployment/{ROUTER}"]["spec"]["template"]["metadata"]["labels"].get(key) != value
+    assert flags["--service-discovery-port"] == str(container(rendered)["ports"][0]["containerPort"])
+    assert flags["--policy"] == "cache_aware"
+    binding = rendered[f"RoleBinding/{ROUTER}"]
+    pod_spec = rendered[f"Deployment/{ROUTER}"]["spec"]["template"]["spec"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod_spec["serviceAccountName"]}]
+    (rule,) = rendered[binding["roleRef"]["kind"] + "/" + binding["roleRef"]["name"]]["rules"]
+    assert rule["resources"] == ["pods"] and {"list", "watch"} <= set(rule["verbs"])
 
 
 def test_autoscaler_scales_the_deployment_on_queue_depth(rendered):

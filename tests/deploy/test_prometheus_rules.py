@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
 import yaml
 
 from tests.deploy.tools import K8S, PROMETHEUS_DIR, RULES, debian_tool
@@ -24,9 +25,11 @@ def test_alerts_fire_on_engine_down_queue_growth_and_acceptance_collapse():
     assert "SUCCESS" in promtool("test", "rules", "rules_test.yml")
 
 
-def test_promtool_accepts_the_compose_prometheus_config(tmp_path):
-    """deploy/prometheus/prometheus.yml with its rule file where compose mounts it (here: next to it)."""
-    config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
+@pytest.mark.parametrize("name", ["prometheus.yml", "prometheus.replicas.yml"])
+def test_promtool_accepts_the_compose_prometheus_configs(tmp_path, name):
+    """deploy/prometheus's configs (one server; replicas and router) with the rule file where compose mounts it (here:
+    next to it)."""
+    config = yaml.safe_load((PROMETHEUS_DIR / name).read_text())
     assert config["rule_files"] == ["/etc/prometheus/rules.yml"]  # compose.yaml mounts rules.yml there
     config["rule_files"] = [str(RULES)]
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))

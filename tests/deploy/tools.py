@@ -15,6 +15,7 @@ DOCKER = REPO / "docker"
 ENTRYPOINT = DOCKER / "entrypoint.sh"
 DOCKERFILES = (DOCKER / "Dockerfile.cpu", DOCKER / "Dockerfile.cuda")
 COMPOSE = DOCKER / "compose.yaml"
+COMPOSE_REPLICAS = DOCKER / "compose.replicas.yaml"  # three replicas behind the router
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
 RULES = PROMETHEUS_DIR / "rules.yml"
 DASHBOARDS = sorted((REPO / "deploy" / "grafana" / "dashboards").glob("*.json"))
@@ -58,7 +59,8 @@ def poll_until(check: Callable[[], T | None], deadline_s: float, what: str, inte
 
 
 def render_k8s() -> dict[str, dict]:
-    """deploy/k8s rendered by kustomize: each object by its kind (one object per kind)."""
+    """deploy/k8s rendered by kustomize: the replicas' objects (named specserve) by their kind, the others (the
+    router's) as KIND/NAME."""
     import subprocess
 
     import yaml
@@ -66,6 +68,7 @@ def render_k8s() -> dict[str, dict]:
     done = subprocess.run([venv_tool("kubectl"), "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     objects = [o for o in yaml.safe_load_all(done.stdout) if o]
-    by_kind = {o["kind"]: o for o in objects}
-    assert len(by_kind) == len(objects), "one object per kind"
-    return by_kind
+    by_key = {o["kind"] if o["metadata"]["name"] == "specserve" else f"{o['kind']}/{o['metadata']['name']}": o
+              for o in objects}
+    assert len(by_key) == len(objects), "one object per kind and name"
+    return by_key
