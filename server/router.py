@@ -97,6 +97,7 @@ async def health(request: Request) -> JSONResponse:
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting,
             "kv_cache_usage": stats.kv_cache_usage,
+            "kv_cache_positions": engine.ready.num_kv_blocks * engine.ready.kv_block_size,  # the pool's size
             "num_sessions": stats.num_sessions,
             "drafter_state_bytes": stats.drafter_state_bytes,
             "session_host_bytes": stats.session_host_bytes,

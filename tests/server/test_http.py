@@ -123,7 +123,8 @@ def test_unknown_route_and_wrong_method_have_openai_bodies(make_client):
 def test_health_and_models_when_ready(make_client):
     client, _ = make_client()
     expected = {
-        "status": "ok", "num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25, "num_sessions": 3,
+        "status": "ok", "num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25, "kv_cache_positions": 0,
+        "num_sessions": 3,
         "drafter_state_bytes": 0, "session_host_bytes": 0, "engine_restarts": 0, "last_engine_exit": None,
         "session_hits": {"explicit": 5, "implicit": 0}, "session_misses": {"explicit": 0, "implicit": 2},
     }
