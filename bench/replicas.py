@@ -40,14 +40,18 @@ RETRY_DELAY_S = 0.5
 KINDS = ("explicit", "implicit")
 REQUEST_TIMEOUT = httpx.Timeout(600.0, connect=10.0, read=120.0)  # a stream silent for 2 minutes is a hang
 POLL_S = 0.1  # how often the router's worker list is read after a kill or a restart
-# vllm-router, as docs/deployment.md runs it: prefix-aware placement by the replicas' own tokens (/tokenize), health
-# checked every second, one failure marks a replica unhealthy and one success healthy again; the busiest replica
-# runs at most BALANCE_ABS more requests than the least busy one, or BALANCE_REL times as many, before placement
-# falls back to the least loaded
-BALANCE_ABS, BALANCE_REL = 16, 1.5
-ROUTER_FLAGS = ("--policy", "cache_aware", "--balance-abs-threshold", str(BALANCE_ABS),
-                "--balance-rel-threshold", str(BALANCE_REL), "--health-check-interval-secs", "1",
-                "--health-failure-threshold", "1", "--health-success-threshold", "1")
+WINDOW_S = 10.0  # the failover's later turns are counted in windows of this many seconds after the kill
+# vllm-router, as docs/deployment.md, docker/compose.replicas.yaml and deploy/k8s/router.yaml run it: prefix-aware
+# placement by the replicas' own tokens (/tokenize), a request going where at least CACHE_THRESHOLD of its tokens are
+# cached (the router's default, 0.3, loses a second turn whose answer is long beside its first prompt: bench
+# routing-sim); health checked every second, one failure marks a replica unhealthy and one success healthy again;
+# the busiest replica runs at most BALANCE_ABS more requests than the least busy one, or BALANCE_REL times as many,
+# before placement falls back to the least loaded
+CACHE_THRESHOLD, BALANCE_ABS, BALANCE_REL = 0.1, 16, 1.5
+ROUTER_FLAGS = ("--policy", "cache_aware", "--cache-threshold", str(CACHE_THRESHOLD),
+                "--balance-abs-threshold", str(BALANCE_ABS), "--balance-rel-threshold", str(BALANCE_REL),
+                "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+                "--health-success-threshold", "1")
 
 
 @dataclass
@@ -70,6 +74,7 @@ class TurnRecord:
     ttft_s: float | None = None  # of the attempt that succeeded
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    completion_tokens: int = 0
     errors: list[tuple[float, str]] = field(default_factory=list)  # (seconds since the run began, what the client saw)
 
 
@@ -98,6 +103,7 @@ async def replay(client: httpx.AsyncClient, url: str, model: str, conversation: 
                 continue
             record.ttft_s, record.prompt_tokens, record.cached_tokens = (reply.ttft_s, reply.prompt_tokens,
                                                                           reply.cached_tokens)
+            record.completion_tokens = reply.completion_tokens
             messages.append({"role": "assistant", "content": reply.text})
             progress[turn] = progress.get(turn, 0) + 1
             break
@@ -148,6 +154,29 @@ def hit_rates(deltas: list[dict]) -> dict[str, dict]:
         by_kind[kind] = {"hits": hits, "misses": misses, "hit_rate": round(hits / (hits + misses), 3)
                          if hits + misses else None}
     return by_kind
+
+
+def served_from_cache(record: TurnRecord) -> bool:
+    """A later turn the client saw served from a session cache: at least half its prompt's KV was cached (a miss
+    finds at most a block or two of the system message another conversation shares)."""
+    return record.cached_tokens >= record.prompt_tokens / 2
+
+
+def hits_by_window(records: list[TurnRecord], killed_at: float) -> list[dict]:
+    """The client's hit rate (served_from_cache) of later turns: those started before the kill, then those started in
+    each WINDOW_S after it."""
+    later = [r for r in records if r.turn > 1 and r.ttft_s is not None]
+
+    def row(label: str, chosen: list[TurnRecord]) -> dict:
+        hits = sum(served_from_cache(r) for r in chosen)
+        return {"window": label, "turns": len(chosen), "hit_rate": round(hits / len(chosen), 3) if chosen else None}
+
+    rows = [row("before the kill", [r for r in later if r.started_s < killed_at])]
+    after = [r.started_s - killed_at for r in later if r.started_s >= killed_at]
+    for k in range(int(max(after, default=-1) // WINDOW_S) + 1):
+        chosen = [r for r in later if k * WINDOW_S <= r.started_s - killed_at < (k + 1) * WINDOW_S]
+        rows.append(row(f"{k * WINDOW_S:.0f}-{(k + 1) * WINDOW_S:.0f} s after", chosen))
+    return rows
 
 
 def turn_summary(records: list[TurnRecord]) -> dict:
@@ -221,6 +250,28 @@ def run_single(args, conversations, out_dir: Path) -> dict:
     return {"seconds": round(run["seconds"], 1), "hit_rates": hit_rates(deltas), "turns": turn_summary(run["records"])}
 
 
+def memory_per_conversation(replicas: list[RunningServer], records: list[TurnRecord], kv_gib: float) -> dict:
+    """What a warm conversation costs a replica, measured after a run: its session's host memory (token history,
+    block list) and drafter state (/health over the sessions cached), and its KV: the pool's bytes per position
+    (--kv-cache-memory over /health's kv_cache_positions) times the conversation's tokens (its last turn's prompt and
+    answer, from the client's usage)."""
+    healths = [httpx.get(r.base_url + "/health", timeout=10).json() for r in replicas]
+    sessions = sum(h["num_sessions"] for h in healths)
+    final = {}
+    for r in records:
+        if r.ttft_s is not None and r.turn >= final.get(r.tag, (0, 0))[0]:
+            final[r.tag] = (r.turn, r.prompt_tokens + r.completion_tokens)
+    tokens = statistics.mean(t for _, t in final.values())
+    kv_per_token = kv_gib * 2**30 / healths[0]["kv_cache_positions"]
+    kv_per_conversation = kv_per_token * tokens
+    return {"sessions_cached": sessions,
+            "session_host_bytes_per_conversation": round(sum(h["session_host_bytes"] for h in healths) / sessions),
+            "drafter_state_bytes_per_conversation": round(sum(h["drafter_state_bytes"] for h in healths) / sessions),
+            "tokens_per_conversation": round(tokens, 1), "kv_bytes_per_token": round(kv_per_token),
+            "kv_bytes_per_conversation": round(kv_per_conversation),
+            "conversations_warm_per_kv_gib": round(2**30 / kv_per_conversation, 1)}
+
+
 def run_routed(router: RunningServer, metrics_url: str, replicas: list[RunningServer], conversations,
                max_tokens: int, during=None) -> tuple[dict, dict]:
     before = [replica_counts(r) for r in replicas if r.process.poll() is None]
@@ -263,6 +314,7 @@ def summarise_failover(run: dict, survivors: list[RunningServer]) -> dict:
     after = [counts_between(b, replica_counts(r)) for b, r in zip(verdict.pop("survivors_at_kill"), survivors)]
     retried = [r for r in run["records"] if r.errors]
     return {**verdict, "failed_attempts": len(failures),
+            "later_turn_hits_by_window": hits_by_window(run["records"], killed_at),
             "failures_after_kill_s": sorted(round(t, 3) for t, _ in failures),
             "failure_kinds": sorted({message.split(":")[0] for _, message in failures}),
             "failed_turns_answered_on_retry": sum(r.ttft_s is not None for r in retried),
@@ -283,7 +335,8 @@ def run_replicas(args, config, tokenizer, out_dir: Path) -> dict:
     replicas = [start_replica(out_dir, free_port(), args, threads) for _ in range(args.replicas)]
     router, metrics_url = start_router(out_dir, replicas)
     try:
-        results["routed"], _ = run_routed(router, metrics_url, replicas, routed_conversations, args.max_new_tokens)
+        results["routed"], run = run_routed(router, metrics_url, replicas, routed_conversations, args.max_new_tokens)
+        results["memory"] = memory_per_conversation(replicas, run["records"], args.replica_kv_gib)
         victim = replicas[0]
         during, survivors = failover(router, replicas, victim, args.conversations // 2)
         failed, run = run_routed(router, metrics_url, replicas, conversations_for(questions, args.conversations,
@@ -343,9 +396,20 @@ def markdown(results: dict) -> str:
               f"({', '.join(fail['failure_kinds']) or 'none'}), at {fail['failures_after_kill_s']} s after the kill; "
               f"{fail['failed_turns_answered_on_retry']} of those turns were answered on a retry, "
               f"{fail['failed_turns_never_answered']} never.", "",
-              "Later turns on the surviving replicas after the kill: "
+              "Later turns on the surviving replicas after the kill (their own counts): "
               + ", ".join(f"{k} {v['hit_rate']} ({v['hits']} hits, {v['misses']} misses)"
-                          for k, v in fail["survivors_hit_rates_after_kill"].items()), ""]
+                          for k, v in fail["survivors_hit_rates_after_kill"].items()) + ".", "",
+              "Hit rate of later turns as the client saw it (at least half the prompt cached), by when they started:",
+              "", "| later turns started | turns | hit rate |", "|---|---|---|",
+              *(f"| {w['window']} | {w['turns']} | {w['hit_rate']} |" for w in fail["later_turn_hits_by_window"]), ""]
+    memory = results["memory"]
+    lines += ["## What a warm conversation costs a replica", "",
+              f"After the router run, {memory['sessions_cached']} sessions cached over the replicas: "
+              f"{memory['session_host_bytes_per_conversation']} bytes of host memory each (token history, block "
+              f"list and drafter state; the drafter state alone {memory['drafter_state_bytes_per_conversation']}), "
+              f"and {memory['tokens_per_conversation']} tokens of KV at {memory['kv_bytes_per_token']} bytes a "
+              f"token: {memory['kv_bytes_per_conversation']} bytes, so "
+              f"{memory['conversations_warm_per_kv_gib']} such conversations stay warm per GiB of KV pool.", ""]
     back = results["back"]
     lines += ["## Back", "",
               f"The replica started again; the router sent it traffic {back['router_healthy_after_restart_s']} s "

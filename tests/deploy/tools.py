@@ -72,3 +72,16 @@ def render_k8s() -> dict[str, dict]:
               for o in objects}
     assert len(by_key) == len(objects), "one object per kind and name"
     return by_key
+
+
+def flag_values(args) -> dict[str, str]:
+    """--flag value and --flag=value pairs of a command line (a bare flag: ''; list values are left out)."""
+    flags, key = {}, None
+    for arg in args:
+        if arg.startswith("--"):
+            key, _, value = arg.partition("=")
+            flags[key] = value
+            key = None if value else key
+        elif key is not None:
+            flags[key], key = arg, None
+    return flags
