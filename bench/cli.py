@@ -28,6 +28,7 @@ from bench.replicas import add_replicas_flags, run_replicas
 from bench.roofline import BATCH_SIZES as ROOFLINE_BATCH_SIZES
 from bench.roofline import CPU_MT_RESULTS, VERIFY_TOKENS, run_roofline
 from bench.roofline import SHAPES as ROOFLINE_SHAPES
+from bench.routing_sim import add_routing_sim_flags, run_routing_sim
 from bench.runners import EngineRunner, HFRunner
 from bench.sessions import run_sessions_benchmark
 from bench.soak import run_soak
@@ -329,6 +330,8 @@ BENCHMARKS: dict[str, Benchmark] = {
     "sessions": Benchmark("multi-turn conversations per session mode", run_sessions, sessions_data, add_sessions_flags),
     "replicas": Benchmark("replicas behind vLLM's router: session hits, time to first token, a replica killed",
                           run_replicas, lambda args: ["mt-redundant"], add_replicas_flags, serves_model=False),
+    "routing-sim": Benchmark("the router in front of many simulated replicas: hit rate and load as replicas change",
+                             run_routing_sim, lambda args: [], add_routing_sim_flags, serves_model=False),
     "step-profile": Benchmark("where a step's time goes", run_step_profile, lambda args: ["mt-redundant"]),
     "soak": Benchmark("streaming clients against one server for minutes: memory and errors",
                       lambda args, config, tokenizer, out: run_soak(args, out), lambda args: [], add_soak_flags),
