@@ -220,8 +220,7 @@ async def run(args, out_dir: Path) -> dict:
     initial = [await replicas.add() for _ in range(args.sim_replicas)]
     port = free_port()
     command = [router_binary(), "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-               "--prometheus-port", str(free_port()), "--worker-urls", *[r.url for r in initial], *ROUTER_FLAGS,
-               *(("--cache-threshold", str(args.cache_threshold)) if args.cache_threshold is not None else ())]
+               "--prometheus-port", str(free_port()), "--worker-urls", *[r.url for r in initial], *router_flags(args)]
     router = await asyncio.to_thread(start_process, command, port, out_dir)
     try:
         return await simulate(args, router.base_url, replicas)
@@ -230,14 +229,21 @@ async def run(args, out_dir: Path) -> dict:
         await replicas.runner.cleanup()
 
 
+def router_flags(args) -> list[str]:
+    """The deployed flags (bench/replicas.py), with --cache-threshold replaced where the run names one."""
+    flags = list(ROUTER_FLAGS)
+    if args.cache_threshold is not None:
+        flags[flags.index("--cache-threshold") + 1] = str(args.cache_threshold)
+    return flags
+
+
 def run_routing_sim(args, config, tokenizer, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {"benchmark": "routing-sim", "command": "specserve " + shlex.join(sys.argv[1:]),
                "replicas": args.sim_replicas, "conversations": args.conversations, "mean_turns": args.mean_turns,
                "warm_sessions_per_replica": args.warm_sessions, "replaced": args.replace,
                "arrivals_per_s": args.arrivals_per_s, "think_s": args.think_s, "speedup": args.speedup,
-               "max_open": args.max_open, "router_flags": list(ROUTER_FLAGS) + (
-                   ["--cache-threshold", str(args.cache_threshold)] if args.cache_threshold is not None else []),
+               "max_open": args.max_open, "router_flags": router_flags(args),
                **asyncio.run(run(args, out_dir))}
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     (out_dir / "results.md").write_text(markdown(results))
@@ -248,7 +254,8 @@ def add_routing_sim_flags(parser) -> None:
     parser.add_argument("--sim-replicas", type=int, default=100, help="simulated replicas behind the router")
     parser.add_argument("--conversations", type=int, default=100_000)
     parser.add_argument("--mean-turns", type=float, default=3.0, help="mean turns per conversation (at least 1)")
-    parser.add_argument("--warm-sessions", type=int, default=2000, help="sessions a replica keeps, LRU")
+    parser.add_argument("--warm-sessions", type=int, default=80, help="sessions a replica keeps, LRU (bench "
+                        "replicas measured 81 of SmolLM2's per GiB of KV pool)")
     parser.add_argument("--replace", type=int, default=10, help="replicas replaced halfway through")
     parser.add_argument("--arrivals-per-s", type=float, default=20.0, help="new conversations per simulated second")
     parser.add_argument("--think-s", type=float, default=30.0, help="mean simulated seconds between a reply and the "
