@@ -33,11 +33,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.data import load_questions
 from bench.server_process import RunningServer, free_port, specserve_command, start_process, stop_server
 from bench.sse_client import chat_body, stream_chat
+from scheduler.sessions import EXPLICIT, IMPLICIT, SESSION_KINDS
 
 THIRD_TURN = "Summarise your last answer in two sentences."
 RETRIES = 2  # a failed turn is sent again this many times, RETRY_DELAY_S apart
 RETRY_DELAY_S = 0.5
-KINDS = ("explicit", "implicit")
 REQUEST_TIMEOUT = httpx.Timeout(600.0, connect=10.0, read=120.0)  # a stream silent for 2 minutes is a hang
 POLL_S = 0.1  # how often the router's worker list is read after a kill or a restart
 WINDOW_S = 10.0  # the failover's later turns are counted in windows of this many seconds after the kill
@@ -62,7 +62,7 @@ class Conversation:
 
     @property
     def kind(self) -> str:
-        return "explicit" if self.session_id else "implicit"
+        return EXPLICIT if self.session_id else IMPLICIT
 
 
 @dataclass
@@ -132,8 +132,8 @@ def replica_counts(replica: RunningServer) -> dict:
 
 
 def counts_between(before: dict, after: dict) -> dict:
-    return {"hits": {k: after["hits"][k] - before["hits"][k] for k in KINDS},
-            "misses": {k: after["misses"][k] - before["misses"][k] for k in KINDS},
+    return {"hits": {k: after["hits"][k] - before["hits"][k] for k in SESSION_KINDS},
+            "misses": {k: after["misses"][k] - before["misses"][k] for k in SESSION_KINDS},
             "requests": after["requests"] - before["requests"]}
 
 
@@ -149,7 +149,7 @@ def router_processed(metrics_url: str) -> dict[str, int]:
 
 def hit_rates(deltas: list[dict]) -> dict[str, dict]:
     by_kind = {}
-    for kind in KINDS:
+    for kind in SESSION_KINDS:
         hits, misses = sum(d["hits"][kind] for d in deltas), sum(d["misses"][kind] for d in deltas)
         by_kind[kind] = {"hits": hits, "misses": misses, "hit_rate": round(hits / (hits + misses), 3)
                          if hits + misses else None}
@@ -183,7 +183,7 @@ def turn_summary(records: list[TurnRecord]) -> dict:
     """Per kind and turn: p50 and p90 time to first token (p90: the lower of its two nearest ranks, numpy's
     'lower'), failed attempts, turns that never succeeded."""
     summary = {}
-    for kind in KINDS:
+    for kind in SESSION_KINDS:
         for turn in (1, 2, 3):
             chosen = [r for r in records if r.kind == kind and r.turn == turn]
             ttfts = sorted(r.ttft_s for r in chosen if r.ttft_s is not None)
@@ -376,7 +376,7 @@ def markdown(results: dict) -> str:
              f"{results['threads_per_replica']} thread(s).", "",
              "| kind | hit rate, one replica | hit rate, router | turn 2 TTFT p50 one / router (s) | "
              "turn 3 TTFT p50 one / router (s) | failed attempts (router run) |", "|---|---|---|---|---|---|"]
-    for kind in KINDS:
+    for kind in SESSION_KINDS:
         one, many = single["hit_rates"][kind], routed["hit_rates"][kind]
         t2, t3 = (f"{kind} turn {t}" for t in (2, 3))
         lines.append(f"| {kind} | {one['hit_rate']} ({one['hits']}/{one['hits'] + one['misses']}) | "

@@ -29,6 +29,8 @@ from scheduler.request import Request
 HASH_BYTES = 44  # a 64-bit hash in a list: reference and a 36-byte int object
 NAMED_KEY_PREFIX = "named:"  # sessions the client names
 IMPLICIT_KEY_PREFIX = "implicit:"  # sessions found by their prefix
+EXPLICIT, IMPLICIT = "explicit", "implicit"  # how a conversation finds its session: named, or by its prompt's prefix
+SESSION_KINDS = (EXPLICIT, IMPLICIT)
 
 
 @dataclass
@@ -124,7 +126,7 @@ class SessionStore:
         """A later turn of a conversation is a hit where it continues its cached session, else a miss: it arrived
         on a replica that does not hold it (or its session was evicted). First turns count as neither."""
         if req.continues:
-            self.stats.count_conversation("explicit" if req.session_id is not None else "implicit", continued)
+            self.stats.count_conversation(EXPLICIT if req.session_id is not None else IMPLICIT, continued)
 
     def _share_prefix(self, req: Request, session: Session, num_common: int) -> None:
         """The request reads the session's blocks of their common prefix; its last prompt token is always computed."""

@@ -15,9 +15,9 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.wire import RequestOutput, StepStats
+from scheduler.sessions import SESSION_KINDS
 
 PREFIX = "specserve:"
-SESSION_KINDS = ("explicit", "implicit")  # how a conversation finds its session: named, or by its prompt's prefix
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 

@@ -5,11 +5,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from scheduler.sessions import SESSION_KINDS
 from server.auth import require_api_key
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.errors import SERVER_ERROR, APIError, api_error_response, engine_unavailable, shutting_down
-from server.metrics import SESSION_KINDS
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from server.request_body import read_request
 from server.responses import create_response, retrieve_response

@@ -6,8 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from bench.replicas import KINDS, start_router
+from bench.replicas import start_router
 from bench.server_process import stop_server
+from scheduler.sessions import SESSION_KINDS
 from tests.e2e.conftest import PLAIN_API_KEY
 
 
@@ -23,7 +24,7 @@ def later_turns(*replicas) -> dict:
     healths = [httpx.get(r.base_url + "/health", headers={"Authorization": f"Bearer {PLAIN_API_KEY}"},
                          timeout=10).json() for r in replicas]
     return {(outcome, kind): sum(h[f"session_{outcome}"][kind] for h in healths)
-            for outcome in ("hits", "misses") for kind in KINDS}
+            for outcome in ("hits", "misses") for kind in SESSION_KINDS}
 
 
 def test_every_later_turn_through_the_router_finds_its_session_named_or_not(router, server, plain_server):
