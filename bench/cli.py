@@ -267,7 +267,11 @@ def add_ngram_flags(parser: argparse.ArgumentParser) -> None:
 def add_spectra_flags(parser: argparse.ArgumentParser) -> None:
     add_limit_flag(parser, "10")
     parser.add_argument("--grid-limit", type=int, default=3,
-                        help="questions per set of the pool-size and tau ablation (0: none)")
+                        help="questions per set of the ablation, each component taken away in turn (0: none)")
+    parser.add_argument("--planner-off-limit", type=int, default=3,
+                        help="questions per set with the planner off, for the paper's tokens per call (0: none)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of every run (0: greedy, outputs compared with none's)")
     parser.add_argument("--agentic", type=int, default=40,
                         help="requests of the agentic run, separate conversations over one JSON schema (0: none)")
 
@@ -322,7 +326,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     ),
     "ngram": Benchmark("learning-free n-grams: the headline runs and the k x w grid", run_ngram_benchmark,
                        lambda args: list(NGRAM_DATASETS), add_ngram_flags),
-    "spectra": Benchmark("SPECTRA: the headline runs and its pool-size and tau ablation", run_spectra_benchmark,
+    "spectra": Benchmark("SPECTRA: the headline runs and the ablation of its components", run_spectra_benchmark,
                          lambda args: list(NGRAM_DATASETS), add_spectra_flags),
     "concurrency": Benchmark("HTTP servers under C concurrent clients, specserve and peers", run_concurrency,
                              lambda args: ["humaneval" if args.completions else "mt-redundant"],

@@ -26,12 +26,14 @@ class Generation:
 
 
 class EngineRunner:
-    """Greedy generation through a specserve Engine, in this process. It waits for the drafter's model bigram table
-    if one is being built in the background (the first use of ngram on a machine): a build beside the measurements
-    would slow every runner of the run while it lasts."""
+    """Generation through a specserve Engine, in this process: greedy, or sampled at TEMPERATURE with each request
+    seeded by its prompt (so every runner draws the same seed for the same question). It waits
+    for the drafter's model bigram table if one is being built in the background (the first use of ngram on a
+    machine): a build beside the measurements would slow every runner of the run while it lasts."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, temperature: float = 0.0) -> None:
         self.engine = engine
+        self.temperature = temperature
         self._count = 0
         bigram = getattr(engine.speculation.drafter, "bigram", None)
         if bigram is not None and bigram.wait() is None:
@@ -39,7 +41,8 @@ class EngineRunner:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
         self._count += 1
-        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        params = SamplingParams(temperature=self.temperature, max_tokens=max_new_tokens,
+                                seed=hash(tuple(prompt_ids)) % 2**31 if self.temperature else None)
         start = time.perf_counter()
         self.engine.add_request(EngineRequest(f"bench-{self._count}", prompt_ids, params))
         token_ids, spec, num_forwards, lookahead_rows = [], None, 0, 0

@@ -1,20 +1,24 @@
-"""The SPECTRA benchmark, on the paper's sets (MT-Bench turn 1, HumanEval, GSM8K), single stream, greedy, in-process
-engines (drafters/spectra.py).
+"""The SPECTRA benchmark, on the paper's sets (MT-Bench turn 1, HumanEval, GSM8K), single stream, greedy or sampled
+(`--temperature`), in-process engines (drafters/spectra.py).
 
-- headline: `none`, `copyspec`, `ngram`, `spectra-core` and `spectra` (its retrieval indexes: the traffic and the
-  calibrated corpus) with the goodput planner on (what users get), `spectra`
-  without its candidate pool (its dictionaries fed by the target's tokens alone), and `spectra` with the planner off
-  (every guess verified and every pool chain carried each step: the paper's setting, for its tokens per call). Every
-  question is answered by each variant in turn, in an order rotated from question to question, so that the ratios
-  compare runs seconds apart. The look-ahead rows the planner let the pool add are reported per call.
-- ablation: `spectra` with the planner off over the pool size W and the refine threshold tau, on the first few
-  questions of each set, for tokens per call.
+- headline (`--limit` questions of each set): `none`, `copyspec`, `ngram`, `spectra-core` and `spectra` (its
+  retrieval indexes: the traffic and the calibrated corpus) with the goodput planner on, what users get. The
+  look-ahead rows the planner let the pool add are reported per call.
+- planner-off (`--planner-off-limit`): `ngram` and `spectra` with every guess verified and every pool chain carried
+  each step, the paper's setting, for its tokens per call (a step then carries ~60 look-ahead rows: slow here).
+- ablation (`--grid-limit`, the paper's Table 2): `spectra` with the planner on, whole and without each component:
+  drafting without the forward dictionary, without the backward one, without retrieval (both indexes), and with a
+  corpus index that holds every sample unfiltered (the calibration prompts' answers and the code, unscored) in
+  place of the perplexity-filtered one.
+Every question of a phase is answered by each of its variants in turn, in an order rotated from question to
+question, so that the ratios compare runs seconds apart.
 - agentic (`--agentic N`): N requests from separate conversations whose answers share one JSON schema
   (bench/agentic.py), one after another, for `none`, `copyspec`, `spectra-core` and `spectra` (its traffic index on),
   planner on: what the index of earlier responses adds.
 
-Every output is compared with `none`'s (near-tie rule, bench/exactness.py). Results: results.json (rows and a
-`summary` per phase, dataset and variant) and results.md.
+Greedy outputs are compared with `none`'s (near-tie rule, bench/exactness.py); sampled ones (temperature > 0, each
+request seeded by its place in the run) are not: tests/engine/test_sampling_distribution.py checks their
+distribution. Results: results.json (rows and a `summary` per phase, dataset and variant) and results.md.
 """
 from __future__ import annotations
 
@@ -34,10 +38,14 @@ from bench.exactness import divergence_verdict
 from bench.ngram import DATASETS, first_turn_prompts
 from bench.runners import EngineRunner
 from drafters.config import SpecConfig
+from drafters.retrieval import BYTES_PER_TOKEN, SuffixIndex
+from engine.artifacts import corpus_path, weights_fingerprint
+from engine.calibration.corpus import corpus_samples
+from engine.calibration.options import CalibrationOptions
+from engine.drafter_context import model_cache_dir
 from engine.engine import Engine
 
-ABLATION_POOLS = (0, 5, 15)
-ABLATION_TAUS = (0.0, 0.1, 0.5, 1.0)
+ABLATED = ("forward", "backward", "retrieval", "filter")  # Variant.without: what the ablation takes away
 
 
 @dataclass(frozen=True)
@@ -46,30 +54,56 @@ class Variant:
     planner: bool = True
     pool: int | None = None  # spectra: chains in the candidate pool (default: the config's)
     tau: float | None = None
+    without: str | None = None  # one of ABLATED
 
     @property
     def label(self) -> str:
-        if self.drafter != "spectra":
+        if self.drafter not in ("spectra", "ngram"):
             return self.drafter
+        if self.drafter == "ngram":
+            return "ngram" if self.planner else "ngram planner off"
         pool = "" if self.pool is None else f" W={self.pool}"
         tau = "" if self.tau is None else f" tau={self.tau:g}"
-        return f"spectra{pool}{tau} planner {'on' if self.planner else 'off'}"
+        without = {None: "", "filter": " unfiltered corpus"}.get(self.without, f" without {self.without}")
+        return f"spectra{pool}{tau}{without} planner {'on' if self.planner else 'off'}"
 
 
-HEADLINE = (Variant("none"), Variant("copyspec"), Variant("ngram"), Variant("spectra-core"), Variant("spectra", pool=0),
-            Variant("spectra"), Variant("spectra", planner=False))
+HEADLINE = (Variant("none"), Variant("copyspec"), Variant("ngram"), Variant("spectra-core"), Variant("spectra"))
+PLANNER_OFF = (Variant("none"), Variant("ngram", planner=False), Variant("spectra", planner=False))
+ABLATION = (Variant("none"), Variant("spectra"), *(Variant("spectra", without=part) for part in ABLATED))
 AGENTIC = (Variant("none"), Variant("copyspec"), Variant("spectra-core"), Variant("spectra"))
 
 
-def make_runner(variant: Variant, config) -> EngineRunner:
+def make_runner(variant: Variant, config, temperature: float, unfiltered: SuffixIndex | None = None) -> EngineRunner:
     spec: SpecConfig = config.with_drafter(variant.drafter).spec
     spec = replace(spec, spectra_pool=spec.spectra_pool if variant.pool is None else variant.pool,
                    spectra_tau=spec.spectra_tau if variant.tau is None else variant.tau)
     config = replace(config, spec=spec, scheduler=replace(config.scheduler, use_goodput_planner=variant.planner))
-    runner = EngineRunner(Engine(config))
-    if variant.drafter == "ngram" and runner.engine.speculation.drafter.bigram.wait() is None:
-        raise RuntimeError("the model bigram table could not be built")
+    runner = EngineRunner(Engine(config), temperature)
+    ablate(runner.engine.speculation.drafter, variant.without, unfiltered)
     return runner
+
+
+def ablate(drafter, without: str | None, unfiltered: SuffixIndex | None) -> None:
+    """Take WITHOUT away from a SPECTRA drafter: a dictionary's guesses, both retrieval indexes, or the filtered
+    corpus (replaced by UNFILTERED)."""
+    if without in ("forward", "backward"):
+        drafter.dictionaries = drafter.dictionaries - {without}
+    elif without == "retrieval":
+        drafter.traffic = drafter.corpus = None
+    elif without == "filter":
+        if drafter.corpus is None:
+            raise RuntimeError("the filter's ablation needs the filtered corpus: run `specserve calibrate corpus`")
+        drafter.corpus = unfiltered
+
+
+def unfiltered_corpus(runner: EngineRunner, tokenizer) -> SuffixIndex:
+    """An index over every sample `specserve calibrate corpus` draws from, none scored or left out."""
+    samples = corpus_samples(runner.engine, tokenizer, CalibrationOptions().max_new_tokens)
+    index = SuffixIndex(sum(BYTES_PER_TOKEN * len(sample.token_ids) for sample in samples))
+    for sample in samples:
+        index.add(sample.token_ids)
+    return index
 
 
 def row(phase: str, dataset: str, question: dict, variant: Variant, gen, verdict: str) -> dict:
@@ -83,7 +117,8 @@ def row(phase: str, dataset: str, question: dict, variant: Variant, gen, verdict
 
 
 def run_phase(phase: str, prompts: dict, runners: dict, reference_model, max_tokens: int) -> list[dict]:
-    """Each question by every runner, rotating the order; `none` (the first runner) is every output's reference."""
+    """Each question by every runner, rotating the order; `none` (the first runner) is every greedy output's
+    reference."""
     rows = []
     variants = list(runners)
     items = [(dataset, q, prompt) for dataset, pairs in prompts.items() for q, prompt in pairs]
@@ -92,7 +127,8 @@ def run_phase(phase: str, prompts: dict, runners: dict, reference_model, max_tok
         generations = {variant: runners[variant].generate(prompt, max_tokens) for variant in order}
         baseline = generations[variants[0]].token_ids
         for variant in variants:
-            verdict = divergence_verdict(reference_model, prompt, baseline, generations[variant].token_ids)
+            verdict = "sampled" if runners[variant].temperature else \
+                divergence_verdict(reference_model, prompt, baseline, generations[variant].token_ids)
             rows.append(row(phase, dataset, question, variant, generations[variant], verdict))
     return rows
 
@@ -120,19 +156,23 @@ def summary_entry(key: tuple, group: list[dict]) -> dict:
         "mean_acceptance_length": round(1 + accepted / num_drafts, 3) if num_drafts else 1.0,
         "lookahead_rows_per_call": round(sum(r["lookahead_rows"] for r in group) / forwards, 2),
         "drafted_tokens": sum(r["drafted_tokens"] for r in group), "accepted_tokens": accepted,
-        "all_identical_to_baseline": all(r["exactness"] != "mismatch" for r in group),
+        "all_identical_to_baseline": None if any(r["exactness"] == "sampled" for r in group)
+        else all(r["exactness"] != "mismatch" for r in group),
         "num_near_ties": sum(r["exactness"] == "near-tie" for r in group),
     }
 
 
 def markdown(results: dict) -> str:
     setup = results["setup"]
-    lines = [f"# SPECTRA: {', '.join(DATASETS)} (turn 1), greedy, single stream", "",
+    sampling = f"T = {setup['temperature']:g}" if setup["temperature"] else "greedy"
+    lines = [f"# SPECTRA: {', '.join(DATASETS)} (turn 1), {sampling}, single stream", "",
              f"Command: `{results['command']}`", ""]
     for phase, title in (("headline", f"Headline: first {setup['headline_questions']} questions of each set, "
                                       f"{setup['max_tokens']} new tokens; speedup over `none` in the same run."),
-                         ("ablation", f"Ablation (planner off, first {setup['ablation_questions']} questions): "
-                                      "the pool size W and the refine threshold tau."),
+                         ("planner-off", f"Planner off (first {setup['planner_off_questions']} questions): every "
+                                         "guess verified, every pool chain carried, the paper's tokens per call."),
+                         ("ablation", f"Ablation (planner on, first {setup['ablation_questions']} questions): "
+                                      "each component taken away in turn, the paper's Table 2."),
                          ("agentic", f"Agentic: {setup['agentic_requests']} requests from separate conversations, "
                                      "one JSON schema, one after another, planner on (bench/agentic.py).")):
         entries = [s for s in results["summary"] if s["phase"] == phase]
@@ -145,8 +185,9 @@ def markdown(results: dict) -> str:
                   for s in entries]
         lines.append("")
     mismatches = sum(r["exactness"] == "mismatch" for r in results["rows"])
-    lines.append(f"Exactness: {mismatches} outputs differ from `none` beyond a near-tie, over "
-                 f"{len(results['rows'])} generations.")
+    compared = sum(r["exactness"] != "sampled" for r in results["rows"])
+    lines.append(f"Exactness: {mismatches} outputs differ from `none` beyond a near-tie, over {compared} greedy "
+                 "generations." if compared else "Sampled outputs are not compared token by token.")
     return "\n".join(lines) + "\n"
 
 
@@ -165,37 +206,47 @@ def run_spectra_benchmark(args, config, tokenizer, out_dir: Path) -> dict:
     """The headline, the ablation and the agentic run, each phase's engines freed before the next one's start."""
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = {"headline_questions": args.limit if args.limit is not None else 10, "max_tokens": args.max_new_tokens,
-             "ablation_questions": args.grid_limit, "datasets": list(DATASETS),
-             "ablation_pools": list(ABLATION_POOLS), "ablation_taus": list(ABLATION_TAUS),
-             "agentic_requests": args.agentic}
+             "planner_off_questions": args.planner_off_limit, "ablation_questions": args.grid_limit,
+             "datasets": list(DATASETS),
+             "ablation": [variant.label for variant in ABLATION], "agentic_requests": args.agentic,
+             "temperature": args.temperature}
     rows: list[dict] = []
-    if setup["headline_questions"]:
-        rows += run_headline_and_ablation(args, config, tokenizer, setup, out_dir)
+    if any(setup[f"{phase}_questions"] for phase in ("headline", "planner_off", "ablation")):
+        rows += run_question_phases(args, config, tokenizer, setup, out_dir)
         gc.collect()
     if args.agentic:
         rows += run_agentic(args, config, tokenizer)
     return write_results(rows, setup, out_dir)
 
 
-def run_headline_and_ablation(args, config, tokenizer, setup: dict, out_dir: Path) -> list[dict]:
-    prompts = {d: first_turn_prompts(tokenizer, d, setup["headline_questions"], args.data_dir) for d in DATASETS}
-    runners = {variant: make_runner(variant, config) for variant in HEADLINE}
-    reference_model = runners[Variant("none")].engine.runner.model
-    for runner in runners.values():  # one-off costs stay out of the measurements
-        runner.generate(prompts[DATASETS[0]][0][1], 8)
-    rows = run_phase("headline", prompts, runners, reference_model, args.max_new_tokens)
-    write_results(rows, setup, out_dir)
-    if args.grid_limit:
-        none = runners[Variant("none")]
+def run_question_phases(args, config, tokenizer, setup: dict, out_dir: Path) -> list[dict]:
+    """The headline, planner-off and ablation phases on the first questions of each set. `none` serves every phase
+    (each greedy output's reference); the other engines are freed after their phase."""
+    limits = {"headline": setup["headline_questions"], "planner-off": setup["planner_off_questions"],
+              "ablation": setup["ablation_questions"]}
+    prompts = {d: first_turn_prompts(tokenizer, d, max(limits.values()), args.data_dir) for d in DATASETS}
+    warm = prompts[DATASETS[0]][0][1]
+    none = make_runner(Variant("none"), config, args.temperature)
+    none.generate(warm, 8)
+    if limits["ablation"] and not corpus_path(model_cache_dir(config.model), weights_fingerprint(
+            none.engine.runner.model, none.engine.weights)).exists():
+        raise SystemExit("the ablation compares the filtered corpus with an unfiltered one: run `specserve calibrate "
+                         "corpus` first (or --grid-limit 0)")
+    unfiltered = unfiltered_corpus(none, tokenizer) if limits["ablation"] else None
+    rows: list[dict] = []
+    for phase, variants in (("headline", HEADLINE), ("planner-off", PLANNER_OFF), ("ablation", ABLATION)):
+        if not limits[phase]:
+            continue
+        runners = {Variant("none"): none}
+        runners.update({variant: make_runner(variant, config, args.temperature, unfiltered)
+                        for variant in variants[1:]})
+        for runner in list(runners.values())[1:]:  # one-off costs stay out of the measurements
+            runner.generate(warm, 8)
+        few = {d: pairs[:limits[phase]] for d, pairs in prompts.items()}
+        rows += run_phase(phase, few, runners, none.engine.runner.model, args.max_new_tokens)
+        write_results(rows, setup, out_dir)
         runners.clear()
         gc.collect()
-        ablation = {Variant("none"): none}
-        ablation.update({Variant("spectra", False, pool, 0.1): make_runner(Variant("spectra", False, pool, 0.1), config)
-                         for pool in ABLATION_POOLS})
-        ablation.update({Variant("spectra", False, 15, tau): make_runner(Variant("spectra", False, 15, tau), config)
-                         for tau in ABLATION_TAUS if tau != 0.1})
-        few = {d: pairs[:args.grid_limit] for d, pairs in prompts.items()}
-        rows += run_phase("ablation", few, ablation, reference_model, args.max_new_tokens)
     return rows
 
 
@@ -203,7 +254,7 @@ def run_agentic(args, config, tokenizer) -> list[dict]:
     """The agentic phase, in engines of its own (a fresh traffic index): each variant warmed on an unrelated
     prompt first."""
     prompts = agentic_prompts(tokenizer, args.agentic)
-    runners = {variant: make_runner(variant, config) for variant in AGENTIC}
+    runners = {variant: make_runner(variant, config, args.temperature) for variant in AGENTIC}
     warm = first_turn_prompts(tokenizer, DATASETS[0], 1, args.data_dir)[0][1]
     for runner in runners.values():
         runner.generate(warm, 8)

@@ -59,6 +59,7 @@ TAU = 0.9
 RETRIEVAL_GUESSES = 3
 RETRIEVAL_TOKENS = 10
 LONG_MATCH = 8  # a retrieval guess after a match this long is scored apart from the shorter ones
+DICTIONARIES = ("backward", "forward")  # both are kept up to date; the ablation drafts from one alone
 
 
 class NgramDictionaries:
@@ -246,6 +247,7 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
         self.lookahead_yield = LookaheadYield()
         self._pools: dict[str, CandidatePool] = {}  # request id -> its candidate pool
         self._proposed: dict[str, list[Guess]] = {}  # request id -> its last draft's guesses
+        self.dictionaries = frozenset(DICTIONARIES)  # those guesses are drawn from (fewer: the ablation's)
 
     def begin(self, req: DraftableRequest, state: SessionCorpus[NgramDictionaries] | None = None) -> None:
         super().begin(req, state)
@@ -283,10 +285,13 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
     def guesses(self, index: NgramDictionaries, token_ids: Sequence[int]) -> list[Guess]:
         """At most G guesses: the backward one first, then the forward ones; a guess that a guess taken before
         already covers (as a prefix of it) adds no token to the tree and is left out."""
-        backward, from_pool = index.backward_guess(token_ids, self.n)
-        candidates = [Guess(backward, "backward" + (":pool" if from_pool else ""), from_pool)]
-        candidates += [Guess(guess, f"forward:rank{min(rank, 3)}" + (":pool" if from_pool else ""), from_pool)
-                       for rank, (guess, from_pool) in enumerate(index.forward_guesses(token_ids[-1]))]
+        candidates = []
+        if "backward" in self.dictionaries:
+            backward, from_pool = index.backward_guess(token_ids, self.n)
+            candidates.append(Guess(backward, "backward" + (":pool" if from_pool else ""), from_pool))
+        if "forward" in self.dictionaries:
+            candidates += [Guess(guess, f"forward:rank{min(rank, 3)}" + (":pool" if from_pool else ""), from_pool)
+                           for rank, (guess, from_pool) in enumerate(index.forward_guesses(token_ids[-1]))]
         covered: set[tuple[int, ...]] = set()
         guesses: list[Guess] = []
         self._take(candidates, self.max_guesses, covered, guesses)

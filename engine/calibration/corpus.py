@@ -93,13 +93,18 @@ def code_samples(tokenizer) -> list[Sample]:
     return samples
 
 
+def corpus_samples(engine: Engine, tokenizer, max_new_tokens: int) -> list[Sample]:
+    """Every sample of both sources, unscored: ENGINE's answers to the calibration prompts, then the code."""
+    prompts = chat_prompt_ids(tokenizer, CALIBRATION_PROMPTS + CHAT_PROMPTS + CORPUS_PROMPTS)
+    return answer_samples(engine, prompts, max_new_tokens) + code_samples(tokenizer)
+
+
 def build_corpus(config: EngineConfig, options: CalibrationOptions) -> None:
     """Answer the calibration prompts, cut the standard library's source into samples, score every sample's perplexity
     under the served model, keep the lowest and save them for SPECTRA-retrieval."""
     tokenizer = load_tokenizer(config.model)
     engine = Engine(replace(config, spec=replace(config.spec, drafter="none")))
-    prompts = chat_prompt_ids(tokenizer, CALIBRATION_PROMPTS + CHAT_PROMPTS + CORPUS_PROMPTS)
-    samples = answer_samples(engine, prompts, options.max_new_tokens) + code_samples(tokenizer)
+    samples = corpus_samples(engine, tokenizer, options.max_new_tokens)
     model = engine.runner.model
     with plain_attention((model,)):
         for i, sample in enumerate(samples):

@@ -97,6 +97,23 @@ def test_guesses_put_the_backward_one_first_cap_at_g_and_merge_into_one_tree():
     assert paths == {(7, 8, 0), (5, 6), (2, 4)}
 
 
+@pytest.mark.parametrize("kept", ["backward", "forward"])
+def test_drafting_from_one_dictionary_alone_leaves_out_the_others_guesses(kept):
+    """The ablation's switch: both dictionaries still learn; guesses come from the one kept."""
+    drafter = SpectraDrafter(n=3, max_guesses=3, pool_size=0)
+    drafter.dictionaries = frozenset({kept})
+    tokens = [1, 2, 3, 0, 1, 2, 4, 0, 1, 5, 6, 0, 1, 7, 8, 0, 1]
+    drafter.begin(Req("r", tokens))
+    index = drafter._corpora["r"].index
+    guesses = drafter.guesses(index, tokens)
+    assert index.backward and index.forward
+    if kept == "backward":
+        assert [(g.kind, g.token_ids) for g in guesses] == [("backward", [7, 8, 0])]
+    else:
+        assert [g.token_ids for g in guesses] == [[7, 8], [5, 6], [2, 4]]
+        assert all(g.kind.startswith("forward") for g in guesses)
+
+
 def test_the_steps_tokens_score_the_last_guesses_by_kind():
     drafter = SpectraDrafter(n=3, pool_size=0)
     req = Req("r", [1, 2, 3, 1])

@@ -1,5 +1,6 @@
 """Sampling with speculation must draw from the same distribution as plain sampling (chi-square), with one
-candidate per position and with several (a tree, SPECTRA's multi-candidate rule)."""
+candidate per position, with several (a tree, SPECTRA's multi-candidate rule), and with SPECTRA's look-ahead rows in
+the forward."""
 from collections import Counter
 
 import pytest
@@ -39,9 +40,9 @@ class FixedDrafter(DrafterBase):
         return None
 
 
-def sample_pairs(engine, params):
+def sample_pairs(engine, params, prompt=PROMPT):
     """Counts of (2nd, 3rd) generated token, the positions the drafter speculates on; accepted drafts."""
-    outputs = run_to_completion(engine, [PROMPT] * NUM_SAMPLES, [params] * NUM_SAMPLES)
+    outputs = run_to_completion(engine, [prompt] * NUM_SAMPLES, [params] * NUM_SAMPLES)
     num_accepted = sum(o.spec.num_accepted_tokens for o in outputs.values())
     return Counter(tuple(o.new_token_ids[1:3]) for o in outputs.values()), num_accepted
 
@@ -104,6 +105,40 @@ def test_sampling_with_a_draft_model_matches_plain_sampling(tiny_model_dir):
     plain, _ = sample_pairs(engine("none"), params)
     speculative, num_accepted = sample_pairs(engine("draft", "early-exit:1"), params)
     assert 20 <= num_accepted < 2 * NUM_SAMPLES  # accepted and rejected drafts both ran
+    keys = sorted(set(plain) | set(speculative))
+    table = [
+        list(col)
+        for col in zip([plain.get(k, 0) for k in keys], [speculative.get(k, 0) for k in keys])
+        if sum(col) >= 5
+    ]
+    result = chi2_contingency(list(zip(*table)))
+    assert result.pvalue > 1e-3, result
+
+
+@pytest.mark.slow
+def test_spectra_sampling_with_lookahead_rows_matches_plain_sampling(tiny_model_dir):
+    """SPECTRA's own drafter: its guesses as one tree and its candidate pool's look-ahead rows in the same forward
+    (planner off: every chain carried), sampled at T = 1 by the multi-candidate rule."""
+    def engine(drafter):
+        return Engine(EngineConfig(
+            model=ModelConfig(model=tiny_model_dir, device="cpu"),
+            cache=CacheConfig(0.05),  # the pool is zeroed at start-up: a small one for this tiny model
+            scheduler=SchedulerConfig(
+                max_num_seqs=NUM_SAMPLES, max_num_batched_tokens=32 * NUM_SAMPLES, max_waiting=NUM_SAMPLES,
+                use_goodput_planner=False,
+            ),
+            spec=SpecConfig(drafter=drafter, spectra_guesses=3, spectra_pool=2),  # rows within 32 a request
+        ))
+
+    plain_engine = engine("none")  # the prompt ends in the model's own greedy cycle, so the dictionaries' guesses
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)  # are sometimes sampled too
+    prompt = PROMPT + run_to_completion(plain_engine, [PROMPT], [greedy])["req-0"].new_token_ids
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+    plain, _ = sample_pairs(plain_engine, params, prompt)
+    spectra = engine("spectra-core")
+    speculative, num_accepted = sample_pairs(spectra, params, prompt)
+    assert 20 <= num_accepted < 2 * NUM_SAMPLES  # accepted and rejected guesses both ran
+    assert spectra.speculation.drafter.lookahead_yield.rows >= NUM_SAMPLES  # the pool's rows were in the forwards
     keys = sorted(set(plain) | set(speculative))
     table = [
         list(col)

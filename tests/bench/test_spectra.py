@@ -1,0 +1,42 @@
+"""`specserve bench spectra`: the ablation takes exactly one component away from the drafter, and labels say which."""
+import pytest
+
+from bench.spectra import ABLATED, ABLATION, PLANNER_OFF, ablate
+from drafters.retrieval import SuffixIndex
+from drafters.spectra import DICTIONARIES, SpectraDrafter
+
+
+def drafter_with_both_indexes() -> SpectraDrafter:
+    return SpectraDrafter(pool_size=0, traffic=SuffixIndex(2**20), corpus=SuffixIndex(2**20))
+
+
+@pytest.mark.parametrize("part", ["forward", "backward"])
+def test_a_dictionary_taken_away_leaves_the_other_and_both_indexes(part):
+    drafter = drafter_with_both_indexes()
+    ablate(drafter, part, None)
+    assert drafter.dictionaries == set(DICTIONARIES) - {part}
+    assert drafter.traffic is not None and drafter.corpus is not None
+
+
+def test_without_retrieval_both_indexes_go_and_the_dictionaries_stay():
+    drafter = drafter_with_both_indexes()
+    ablate(drafter, "retrieval", None)
+    assert drafter.traffic is None and drafter.corpus is None and drafter.dictionaries == set(DICTIONARIES)
+
+
+def test_the_unfiltered_corpus_replaces_the_filtered_one_and_needs_it():
+    drafter, unfiltered = drafter_with_both_indexes(), SuffixIndex(2**20)
+    traffic = drafter.traffic
+    ablate(drafter, "filter", unfiltered)
+    assert drafter.corpus is unfiltered and drafter.traffic is traffic
+    with pytest.raises(RuntimeError, match="calibrate corpus"):
+        ablate(SpectraDrafter(pool_size=0), "filter", unfiltered)
+
+
+def test_the_ablation_rows_take_each_component_away_once_planner_on():
+    labels = [variant.label for variant in ABLATION]
+    assert labels == ["none", "spectra planner on", "spectra without forward planner on",
+                      "spectra without backward planner on", "spectra without retrieval planner on",
+                      "spectra unfiltered corpus planner on"]
+    assert {variant.without for variant in ABLATION[2:]} == set(ABLATED)
+    assert [variant.label for variant in PLANNER_OFF] == ["none", "ngram planner off", "spectra planner off"]
