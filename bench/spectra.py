@@ -17,7 +17,7 @@ question, so that the ratios compare runs seconds apart.
   planner on: what the index of earlier responses adds.
 
 Greedy outputs are compared with `none`'s (near-tie rule, bench/exactness.py); sampled ones (temperature > 0, each
-request seeded by its place in the run) are not: tests/engine/test_sampling_distribution.py checks their
+request seeded by its prompt) are not: tests/engine/test_sampling_distribution.py checks their
 distribution. Results: results.json (rows and a `summary` per phase, dataset and variant) and results.md.
 """
 from __future__ import annotations
@@ -37,7 +37,6 @@ from bench.agentic import agentic_prompts
 from bench.exactness import divergence_verdict
 from bench.ngram import DATASETS, first_turn_prompts
 from bench.runners import EngineRunner
-from drafters.config import SpecConfig
 from drafters.retrieval import BYTES_PER_TOKEN, SuffixIndex
 from engine.artifacts import corpus_path, weights_fingerprint
 from engine.calibration.corpus import corpus_samples
@@ -52,20 +51,14 @@ ABLATED = ("forward", "backward", "retrieval", "filter")  # Variant.without: wha
 class Variant:
     drafter: str
     planner: bool = True
-    pool: int | None = None  # spectra: chains in the candidate pool (default: the config's)
-    tau: float | None = None
-    without: str | None = None  # one of ABLATED
+    without: str | None = None  # spectra: one of ABLATED
 
     @property
     def label(self) -> str:
-        if self.drafter not in ("spectra", "ngram"):
-            return self.drafter
-        if self.drafter == "ngram":
-            return "ngram" if self.planner else "ngram planner off"
-        pool = "" if self.pool is None else f" W={self.pool}"
-        tau = "" if self.tau is None else f" tau={self.tau:g}"
-        without = {None: "", "filter": " unfiltered corpus"}.get(self.without, f" without {self.without}")
-        return f"spectra{pool}{tau}{without} planner {'on' if self.planner else 'off'}"
+        if self.drafter == "spectra":
+            without = {None: "", "filter": " unfiltered corpus"}.get(self.without, f" without {self.without}")
+            return f"spectra{without} planner {'on' if self.planner else 'off'}"
+        return self.drafter if self.planner else f"{self.drafter} planner off"
 
 
 HEADLINE = (Variant("none"), Variant("copyspec"), Variant("ngram"), Variant("spectra-core"), Variant("spectra"))
@@ -75,10 +68,8 @@ AGENTIC = (Variant("none"), Variant("copyspec"), Variant("spectra-core"), Varian
 
 
 def make_runner(variant: Variant, config, temperature: float, unfiltered: SuffixIndex | None = None) -> EngineRunner:
-    spec: SpecConfig = config.with_drafter(variant.drafter).spec
-    spec = replace(spec, spectra_pool=spec.spectra_pool if variant.pool is None else variant.pool,
-                   spectra_tau=spec.spectra_tau if variant.tau is None else variant.tau)
-    config = replace(config, spec=spec, scheduler=replace(config.scheduler, use_goodput_planner=variant.planner))
+    config = replace(config.with_drafter(variant.drafter),
+                     scheduler=replace(config.scheduler, use_goodput_planner=variant.planner))
     runner = EngineRunner(Engine(config), temperature)
     ablate(runner.engine.speculation.drafter, variant.without, unfiltered)
     return runner
@@ -109,7 +100,7 @@ def unfiltered_corpus(runner: EngineRunner, tokenizer) -> SuffixIndex:
 def row(phase: str, dataset: str, question: dict, variant: Variant, gen, verdict: str) -> dict:
     return {
         "phase": phase, "dataset": dataset, "question_id": question["question_id"], "variant": variant.label,
-        "drafter": variant.drafter, "planner": variant.planner, "pool": variant.pool, "tau": variant.tau,
+        "drafter": variant.drafter, "planner": variant.planner, "without": variant.without,
         "new_tokens": len(gen.token_ids), "seconds": round(gen.seconds, 4), "num_forwards": gen.num_forwards,
         "num_drafts": gen.num_drafts, "drafted_tokens": gen.drafted_tokens, "accepted_tokens": gen.accepted_tokens,
         "lookahead_rows": gen.lookahead_rows, "identical_to_baseline": verdict == "identical", "exactness": verdict,
@@ -203,7 +194,8 @@ def write_results(rows: list[dict], setup: dict, out_dir: Path) -> dict:
 
 
 def run_spectra_benchmark(args, config, tokenizer, out_dir: Path) -> dict:
-    """The headline, the ablation and the agentic run, each phase's engines freed before the next one's start."""
+    """The headline, planner-off, ablation and agentic phases, each phase's engines freed before the next one's
+    start."""
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = {"headline_questions": args.limit if args.limit is not None else 10, "max_tokens": args.max_new_tokens,
              "planner_off_questions": args.planner_off_limit, "ablation_questions": args.grid_limit,
