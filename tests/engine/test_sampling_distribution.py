@@ -47,6 +47,15 @@ def sample_pairs(engine, params, prompt=PROMPT):
     return Counter(tuple(o.new_token_ids[1:3]) for o in outputs.values()), num_accepted
 
 
+def assert_same_distribution(plain: Counter, speculative: Counter) -> None:
+    """Chi-square of the two samples' counts, cells too sparse for the test (< 5 in all) left out."""
+    keys = sorted(set(plain) | set(speculative))
+    columns = zip([plain.get(k, 0) for k in keys], [speculative.get(k, 0) for k in keys])
+    table = [column for column in columns if sum(column) >= 5]
+    result = chi2_contingency(list(zip(*table)))
+    assert result.pvalue > 1e-3, result
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 @pytest.mark.parametrize("params", [
@@ -80,11 +89,7 @@ def test_speculative_sampling_matches_plain_sampling(tiny_model_dir, params, tre
     spec_engine.speculation.drafter = drafter
     speculative, num_accepted = sample_pairs(spec_engine, params)
     assert 20 <= num_accepted < NUM_SAMPLES  # both the accept and the reject path ran
-    keys = sorted(set(plain) | set(speculative))
-    table = [[plain.get(k, 0) for k in keys], [speculative.get(k, 0) for k in keys]]
-    table = [list(col) for col in zip(*table) if sum(col) >= 5]  # drop cells too sparse for chi-square
-    result = chi2_contingency(list(zip(*table)))
-    assert result.pvalue > 1e-3, result
+    assert_same_distribution(plain, speculative)
 
 
 @pytest.mark.slow
@@ -105,14 +110,7 @@ def test_sampling_with_a_draft_model_matches_plain_sampling(tiny_model_dir):
     plain, _ = sample_pairs(engine("none"), params)
     speculative, num_accepted = sample_pairs(engine("draft", "early-exit:1"), params)
     assert 20 <= num_accepted < 2 * NUM_SAMPLES  # accepted and rejected drafts both ran
-    keys = sorted(set(plain) | set(speculative))
-    table = [
-        list(col)
-        for col in zip([plain.get(k, 0) for k in keys], [speculative.get(k, 0) for k in keys])
-        if sum(col) >= 5
-    ]
-    result = chi2_contingency(list(zip(*table)))
-    assert result.pvalue > 1e-3, result
+    assert_same_distribution(plain, speculative)
 
 
 @pytest.mark.slow
@@ -139,11 +137,4 @@ def test_spectra_sampling_with_lookahead_rows_matches_plain_sampling(tiny_model_
     speculative, num_accepted = sample_pairs(spectra, params, prompt)
     assert 20 <= num_accepted < 2 * NUM_SAMPLES  # accepted and rejected guesses both ran
     assert spectra.speculation.drafter.lookahead_yield.rows >= NUM_SAMPLES  # the pool's rows were in the forwards
-    keys = sorted(set(plain) | set(speculative))
-    table = [
-        list(col)
-        for col in zip([plain.get(k, 0) for k in keys], [speculative.get(k, 0) for k in keys])
-        if sum(col) >= 5
-    ]
-    result = chi2_contingency(list(zip(*table)))
-    assert result.pvalue > 1e-3, result
+    assert_same_distribution(plain, speculative)
