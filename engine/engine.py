@@ -275,9 +275,9 @@ class Engine:
                 self._release(req)
             else:
                 self.speculation.extend(req, request_update.new_token_ids)
-        decoding = [req for req in self.scheduler.running if req.is_decoding]
+        drafting = self.scheduler.drafting([req for req in self.scheduler.running if req.is_decoding])
         start = time.perf_counter()
-        self.scheduler.set_drafts(decoding, self._grammatical(decoding, self.speculation.propose(decoding)))
+        self.scheduler.set_drafts(drafting, self._grammatical(drafting, self.speculation.propose(drafting)))
         draft_seconds = 0.0
         if self.draft_forward:
             draft_seconds = time.perf_counter() - start

@@ -15,6 +15,7 @@ from scheduler.acceptance import AcceptanceEstimator, TreeAcceptance
 from scheduler.admission import Admission, QueueFullError
 from scheduler.config import SchedulerConfig
 from scheduler.draft_selection import DraftSelector, attach_draft
+from scheduler.drafting_gate import DraftingGate
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.latency import LatencyModel, StepOverhead
 from scheduler.lookahead import LookaheadPlan
@@ -55,6 +56,8 @@ class Scheduler:
             self.estimator, blocks, max_model_len, self._step_seconds if planned else None, draft_latency,
             companion_latency,
         )
+        # context drafters rest while the planner declines their drafts; a draft model has its own budget
+        self.gate = DraftingGate() if planned and draft_latency is None else None
 
     @property
     def waiting(self):
@@ -97,6 +100,8 @@ class Scheduler:
     def _finish(self, req: Request, reason: str) -> None:
         self.admission.finish(req, reason)
         self.estimator.forget(req.request_id)
+        if self.gate:
+            self.gate.forget(req.request_id)
 
     def reserve_model_drafts(
         self, reqs: list[Request], max_tokens: int, source: str, beside: Sequence[tuple[Request, Draft]] = (),
@@ -108,6 +113,19 @@ class Scheduler:
     def observe_drafting_seconds(self, seconds: float) -> None:
         """What the model drafting last reserved took, measured."""
         self.model_drafts.observe_drafting_seconds(seconds)
+
+    def drafting(self, reqs: list[Request]) -> list[Request]:
+        """Of the decoding REQS, those that propose a draft for the next step; the others rest (their drafts
+        cleared) while the planner keeps declining what they draft (scheduler/drafting_gate.py)."""
+        if self.gate is None:
+            return reqs
+        proposing = []
+        for req in reqs:
+            if self.gate.proposes(req.request_id):
+                proposing.append(req)
+            else:
+                req.draft = None
+        return proposing
 
     def set_drafts(self, reqs: list[Request], drafts: list[Draft]) -> None:
         for req, draft in zip(reqs, drafts):
@@ -145,6 +163,9 @@ class Scheduler:
             if item.lookahead:  # scratch slots after the item's tokens: the update gives them back
                 self.blocks.grow(item.req.request_id,
                                  item.req.num_computed_tokens + len(item.token_ids) + item.num_lookahead_rows)
+            if self.gate and item.req.draft is not None:
+                self.gate.record(item.req.request_id, len(item.req.draft) + len(item.req.draft.lookahead),
+                                 len(item.draft_nodes) + len(item.lookahead))
 
     def _lookahead_room(self, item: ScheduledRequest) -> int:
         """Look-ahead rows the item may add: KV slots after its tokens, positions below the model's length."""
