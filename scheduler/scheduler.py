@@ -8,7 +8,7 @@ drafted tokens are verified (draft_selection.py), and the update after verificat
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from drafters.base import Draft
 from scheduler.acceptance import AcceptanceEstimator, TreeAcceptance
@@ -145,7 +145,7 @@ class Scheduler:
     def _schedule_drafts(self, out: SchedulerOutput, decoding: list[ScheduledRequest]) -> None:
         """Spend what is left of the token budget on the drafted tokens worth verifying."""
         budget = self.config.max_num_batched_tokens - out.num_scheduled_tokens
-        step_seconds = self._step_seconds if self.latency else None
+        step_seconds = self._fixed_batch_seconds(len(self.admission.running)) if self.latency else None
         path_seconds = self.latency.extra_path_seconds if self.latency else (lambda context_len: 0.0)
         chosen = self.selector.select(decoding, out.num_scheduled_tokens, budget, step_seconds, path_seconds)
         for item, nodes in zip(decoding, chosen):
@@ -183,6 +183,12 @@ class Scheduler:
     def _step_seconds(self, num_tokens: int) -> float:
         """Predicted seconds of the next step, of the running requests carrying NUM_TOKENS."""
         return self._batch_seconds(num_tokens, len(self.admission.running))
+
+    def _fixed_batch_seconds(self, batch_size: int) -> Callable[[int], float]:
+        """_batch_seconds for one BATCH_SIZE, its overhead looked up once: the planner prices every prefix of a
+        batch's drafted nodes with it."""
+        overhead = self.step_overhead(batch_size)
+        return lambda num_tokens: max(self.latency(num_tokens) + overhead, 1e-6)
 
     def _batch_seconds(self, num_tokens: int, batch_size: int) -> float:
         """Predicted seconds of a step of BATCH_SIZE requests carrying NUM_TOKENS: the start-up profile of one
