@@ -52,22 +52,36 @@ class LatencyModel:
 
 
 class StepOverhead:
-    """What real steps cost beyond the start-up profile, a running mean per class of batch size (1, 2-3, 4-7, ...).
+    """What real steps cost beyond the start-up profile, per class of batch size (1, 2-3, 4-7, ...): a price per
+    step and one per row beyond each request's own token (a drafted token verified, a look-ahead row).
 
     One constant learnt while a batch of 64 runs would price the steps of its last few requests at batch 64's
-    overhead, several times their forward, and a draft model then looks cheap beside them. A class not measured
-    yet borrows the nearest measured class's overhead."""
+    overhead, several times their forward, and a draft model then looks cheap beside them. The profile is a forward
+    alone; each row verified also costs the host its verification (under sampling, a softmax over the vocabulary
+    and a draw), which a price per step would spread over the steps that verify nothing and leave out of what the
+    planner weighs a drafted token by. Both prices are learnt together from each step's error, the normalised
+    least-mean-squares step over the features (1, rows); the price per row never goes below zero (a profile that
+    overprices rows stays the profile's). A class not measured yet borrows the nearest measured class's prices."""
 
     def __init__(self) -> None:
-        self.by_class: dict[int, float] = {}  # batch size class (the bit length of the batch size) -> seconds
+        # batch size class (the bit length of the batch size) -> (seconds per step, seconds per row)
+        self.by_class: dict[int, tuple[float, float]] = {}
 
-    def __call__(self, batch_size: int) -> float:
+    def __call__(self, batch_size: int, num_rows: int = 0) -> float:
+        per_step, per_row = self.prices(batch_size)
+        return per_step + per_row * num_rows
+
+    def prices(self, batch_size: int) -> tuple[float, float]:
+        """(seconds per step, seconds per row beyond the batch's own tokens) for BATCH_SIZE."""
         if not self.by_class:
-            return 0.0
+            return 0.0, 0.0
         size_class = batch_size.bit_length()
         nearest = min(self.by_class, key=lambda measured: (abs(measured - size_class), measured))
         return self.by_class[nearest]
 
-    def observe(self, batch_size: int, error: float) -> None:
-        """A step of BATCH_SIZE requests took ERROR seconds longer than predicted with this overhead."""
-        self.by_class[batch_size.bit_length()] = self(batch_size) + OVERHEAD_SMOOTHING * error
+    def observe(self, batch_size: int, error: float, num_rows: int = 0) -> None:
+        """A step of BATCH_SIZE requests with NUM_ROWS rows beyond their own tokens took ERROR seconds longer than
+        predicted with these prices."""
+        per_step, per_row = self.prices(batch_size)
+        step = OVERHEAD_SMOOTHING * error / (1 + num_rows * num_rows)
+        self.by_class[batch_size.bit_length()] = (per_step + step, max(per_row + step * num_rows, 0.0))

@@ -145,7 +145,8 @@ class Scheduler:
     def _schedule_drafts(self, out: SchedulerOutput, decoding: list[ScheduledRequest]) -> None:
         """Spend what is left of the token budget on the drafted tokens worth verifying."""
         budget = self.config.max_num_batched_tokens - out.num_scheduled_tokens
-        step_seconds = self._fixed_batch_seconds(len(self.admission.running)) if self.latency else None
+        step_seconds = self._fixed_batch_seconds(len(self.admission.running), out.num_scheduled_tokens) \
+            if self.latency else None
         path_seconds = self.latency.extra_path_seconds if self.latency else (lambda context_len: 0.0)
         chosen = self.selector.select(decoding, out.num_scheduled_tokens, budget, step_seconds, path_seconds)
         for item, nodes in zip(decoding, chosen):
@@ -181,28 +182,33 @@ class Scheduler:
         )
 
     def _step_seconds(self, num_tokens: int) -> float:
-        """Predicted seconds of the next step, of the running requests carrying NUM_TOKENS."""
-        return self._batch_seconds(num_tokens, len(self.admission.running))
+        """Predicted seconds of the next step, of the running requests carrying NUM_TOKENS (one each, the rest rows
+        beyond their own)."""
+        batch_size = len(self.admission.running)
+        return self._batch_seconds(num_tokens, batch_size, max(num_tokens - batch_size, 0))
 
-    def _fixed_batch_seconds(self, batch_size: int) -> Callable[[int], float]:
-        """_batch_seconds for one BATCH_SIZE, its overhead looked up once: the planner prices every prefix of a
-        batch's drafted nodes with it."""
-        overhead = self.step_overhead(batch_size)
-        return lambda num_tokens: max(self.latency(num_tokens) + overhead, 1e-6)
+    def _fixed_batch_seconds(self, batch_size: int, num_base_tokens: int) -> Callable[[int], float]:
+        """_batch_seconds for one BATCH_SIZE whose steps carry NUM_BASE_TOKENS before any row beyond them, its
+        prices looked up once: the planner prices every prefix of a batch's drafted nodes with it."""
+        per_step, per_row = self.step_overhead.prices(batch_size)
+        return lambda num_tokens: max(
+            self.latency(num_tokens) + per_step + per_row * max(num_tokens - num_base_tokens, 0), 1e-6)
 
-    def _batch_seconds(self, num_tokens: int, batch_size: int) -> float:
-        """Predicted seconds of a step of BATCH_SIZE requests carrying NUM_TOKENS: the start-up profile of one
-        request's forward, plus what a real batch of that size costs on top of it (attention over every request's
-        context, verification), as measured."""
-        return max(self.latency(num_tokens) + self.step_overhead(batch_size), 1e-6)
+    def _batch_seconds(self, num_tokens: int, batch_size: int, num_rows: int) -> float:
+        """Predicted seconds of a step of BATCH_SIZE requests carrying NUM_TOKENS, NUM_ROWS of them beyond the
+        requests' own (drafted, look-ahead): the start-up profile of one request's forward, plus what a real batch of
+        that size costs on top of it (attention over every request's context, verification), as measured."""
+        return max(self.latency(num_tokens) + self.step_overhead(batch_size, num_rows), 1e-6)
 
     def observe_step_seconds(self, out: SchedulerOutput, seconds: float) -> None:
         """Learn the overhead from steps that only decode and verify: a prefill chunk attends over a context
         unlike the profile's, and its error would skew the cost of the drafts the planner weighs."""
         if self.latency and out.scheduled and not out.has_prefill:
             batch_size = len(out.scheduled)
-            predicted = self._batch_seconds(out.num_scheduled_tokens, batch_size) + self._extra_path_seconds(out)
-            self.step_overhead.observe(batch_size, seconds - predicted)
+            num_rows = out.num_scheduled_tokens - batch_size
+            predicted = self._batch_seconds(out.num_scheduled_tokens, batch_size, num_rows) \
+                + self._extra_path_seconds(out)
+            self.step_overhead.observe(batch_size, seconds - predicted, num_rows)
 
     # --- after verification ----------------------------------------------------------------------
     def update(self, out: SchedulerOutput, results: list[Verification]) -> StepUpdate:

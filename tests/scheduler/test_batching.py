@@ -142,3 +142,25 @@ def test_measured_step_overhead_makes_drafts_cheaper_to_verify():
     assert abs(scheduler.step_overhead(1) - 5.0) < 0.01
     out = scheduler.schedule()  # now one forward costs 6 s and a draft 0.6 s more: worth 0.5 tokens
     assert out.scheduled[0].num_draft_tokens > 0 and out.predicted_seconds > 6.0
+
+
+def test_a_measured_price_per_verified_row_makes_drafts_dearer():
+    """The profile says a drafted token costs 0.2 s on a 1 s step; real steps show each verified row costs 0.5 s more
+    (its verification on the host). A draft whose first token is right half the time was worth verifying at the
+    profile's price and is not at the measured one. Every third step drafts nothing, as real steps sometimes do:
+    steps with different row counts tell the price per row from the price per step."""
+    scheduler = make_scheduler(planner=True, max_model_len=1024, num_blocks=256)
+    scheduler.latency = LatencyModel({1: 1.0, 2: 1.2, 4: 1.6})
+    req = add(scheduler, max_tokens=1000, ignore_eos=True)
+    step(scheduler, scheduler.schedule(), [[8]])
+    verified = []
+    for i in range(80):
+        scheduler.set_drafts([req], [Draft([9, 10, 11] if i % 3 else [], "copyspec")])
+        out = scheduler.schedule()
+        verified.append(out.scheduled[0].num_draft_tokens)
+        scheduler.observe_step_seconds(out, scheduler.latency(out.num_scheduled_tokens) + 0.5 * verified[-1])
+        right = i % 2 == 0  # the target's next token is the drafted 9 every other step
+        step(scheduler, out, [([9, 1] if verified[-1] else [9]) if right else [1]])
+    assert verified[1] == 1, "at the profile's price one drafted token right half the time pays"
+    assert scheduler.step_overhead.prices(1)[1] > 0.3
+    assert verified[-10:] == [0] * 10

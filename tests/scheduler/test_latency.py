@@ -38,3 +38,19 @@ def test_a_batch_size_not_measured_yet_borrows_the_nearest_measured_class_and_le
     overhead.observe(16, 0.005)  # two classes from 64..127, three from 2..3
     assert overhead(16) == pytest.approx(sixty_four + OVERHEAD_SMOOTHING * 0.005)
     assert overhead(2) == pytest.approx(two) and overhead(64) == pytest.approx(sixty_four)
+
+
+def test_a_price_per_row_is_learnt_beside_the_price_per_step():
+    """Steps that verify more rows cost the host more (their verification): the two prices come apart from steps
+    with different row counts, and the price per row is never below zero."""
+    overhead = StepOverhead()
+    for i in range(3000):
+        rows = i % 5
+        overhead.observe(1, 0.004 + 0.0007 * rows - overhead(1, rows), rows)
+    per_step, per_row = overhead.prices(1)
+    assert per_step == pytest.approx(0.004, rel=0.02) and per_row == pytest.approx(0.0007, rel=0.02)
+    assert overhead(1, 3) == pytest.approx(0.004 + 3 * 0.0007, rel=0.02)
+    for i in range(3000):  # rows turn cheaper than the profile says: the step price takes it, not a negative row
+        rows = i % 5
+        overhead.observe(1, 0.004 - 0.0005 * rows - overhead(1, rows), rows)
+    assert overhead.prices(1)[1] == 0.0
