@@ -139,7 +139,9 @@ class Scheduler:
         self.admission.schedule_prefill_chunks(out)
         self._schedule_drafts(out, [item for item in decoding if item.req.status is RequestStatus.RUNNING])
         if self.latency:
-            out.predicted_seconds = self._step_seconds(out.num_scheduled_tokens) + self._extra_path_seconds(out)
+            num_rows = out.num_verified_draft_tokens + out.num_lookahead_rows  # a prefill chunk's tokens are no rows
+            out.predicted_seconds = self._batch_seconds(out.num_scheduled_tokens, len(self.admission.running),
+                                                        num_rows) + self._extra_path_seconds(out)
         return out
 
     def _schedule_drafts(self, out: SchedulerOutput, decoding: list[ScheduledRequest]) -> None:
