@@ -1,6 +1,7 @@
 """A short load run against a real server (`make soak` is the long one, bench/soak.py): concurrent streaming
 clients with random lengths and temperatures, some hanging up mid-stream. Every stream not hung up on ends with a
-finish_reason and [DONE], nothing fails, the KV blocks in use return to zero and memory to near its baseline."""
+finish_reason and [DONE], nothing fails, the KV blocks in use return to zero and memory (apart from the KV pool's
+pages, which stay resident once written) to near its baseline."""
 from __future__ import annotations
 
 import pytest

@@ -65,3 +65,17 @@ def test_tree_paths_keep_the_positions_of_their_nodes():
     assert [p.positions for p in paths] == [[26, 27, 28], [26, 27]]
     queries, keys = member_positions(paths[1], 32)
     assert queries.tolist() == [27] and keys[26:28].tolist() == [26, 27] and keys[29] == 29
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cpu_pool_starts_zeroed_aligned_and_takes_writes(dtype):
+    """The pool's CPU memory comes zeroed from the OS page by page (engine/model/paged_attention.py's _zeros): it must
+    read as zeros, be aligned like torch's own, and hold what is written to it."""
+    pool = paged_attention.PagedKVPool(3, 4096, 2, 64, dtype, torch.device("cpu"))
+    for tensor in (pool.keys, pool.values):
+        assert tensor.dtype == dtype and tensor.shape == (3, 4096, 2, 64) and tensor.is_contiguous()
+        assert tensor.data_ptr() % 64 == 0 and not tensor.any()
+    key, value = torch.randn(2, 2, 64).to(dtype), torch.randn(2, 2, 64).to(dtype)
+    pool.write(1, key, value, torch.tensor([7, 4000]))
+    assert torch.equal(pool.keys[1, 7], key[0]) and torch.equal(pool.values[1, 4000], value[1])
+    assert not pool.keys[0].any() and not pool.keys[2].any()
