@@ -52,13 +52,13 @@ class Draft:
 class CaptureSpec:
     """What a drafter needs from the target's forward beyond logits."""
 
-    # the residual stream after this many decoder layers (transformers' hidden_states index)
-    hidden_layer: int | None = None
+    # the residual stream after each of these many decoder layers (transformers' hidden_states indices), concatenated
+    hidden_layers: tuple[int, ...] = ()
     attention_heads: tuple[tuple[int, int], ...] = ()  # (layer, head) pairs whose attention rows it reads
 
     @property
     def wants_any(self) -> bool:
-        return self.hidden_layer is not None or bool(self.attention_heads)
+        return bool(self.hidden_layers) or bool(self.attention_heads)
 
 
 @dataclass
@@ -67,7 +67,7 @@ class Computed:
 
     start: int  # position of token_ids[0]
     token_ids: list[int]  # [n] in position order: prefill chunks, or the last token and the accepted draft path
-    hidden_states: torch.Tensor | None = None  # [n, hidden_size] at CaptureSpec.hidden_layer
+    hidden_states: torch.Tensor | None = None  # [n, hidden_size * len(hidden_layers)] in their order
     # [num capture heads, start + n] the last token's attention over every position
     attention: torch.Tensor | None = None
     # [chains, vocab] the logits after the last row of each look-ahead chain the step carried: the first chains of
@@ -90,6 +90,7 @@ class ModelForward(Protocol):
 
     name: str
     shares_target_kv: bool  # an early exit of the target: every position the target computed is computed for it
+    is_head: bool  # an EAGLE-3 head (engine/model/draft_model.py's HeadForward): it reads the target's states
 
     def __call__(
         self, chains: list[tuple[str, list[int], int]], num_logits: list[int] | None = None

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from drafters.base import Draft, DraftableRequest, DrafterBase, common_prefix_len
+from drafters.base import Computed, Draft, DraftableRequest, DrafterBase, common_prefix_len
 
 # a seeded request draws its drafts from a generator of its own, seeded apart from the target's
 DRAFT_SEED_OFFSET = 0x5EED
@@ -122,7 +122,17 @@ class ModelDrafter(DrafterBase):
         weighs the draft's cost against."""
         allowed = self.forward.reserve(list(reqs), list(beside))
         budgets = {req.request_id: min(allowed.get(req.request_id, 0), self.max_tokens) for req in reqs}
-        drafting = [req for req in reqs if budgets[req.request_id] > 0]
+        drafted, probs = self._draft([req for req in reqs if budgets[req.request_id] > 0], budgets)
+        for req in reqs:
+            self._keep(req, drafted.get(req.request_id, []), probs.get(req.request_id))
+        acceptance = self._companion_estimates([req for req in reqs if drafted.get(req.request_id)])
+        return [Draft(drafted.get(r.request_id, []), self.name, acceptance=acceptance.get(r.request_id)) for r in reqs]
+
+    def _draft(
+        self, drafting: list[DraftableRequest], budgets: dict[str, int],
+    ) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
+        """Per request, its drafted tokens (as many as its budget) and their q where kept: one packed forward of
+        every drafting request per drafted position."""
         drafted: dict[str, list[int]] = {req.request_id: [] for req in drafting}
         probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req in drafting}
         chains = [self.draft_kv.catch_up(req) for req in drafting]
@@ -130,18 +140,23 @@ class ModelDrafter(DrafterBase):
             logits = torch.cat(self.forward(chains))
             chains = []
             for req, row in zip(drafting, logits):
-                token, q = self._draw(req, row)
-                drafted[req.request_id].append(token)
-                if q is not None:
-                    probs[req.request_id].append(q)
+                token = self._take(req, row, drafted, probs)
                 position = len(req.all_token_ids) + len(drafted[req.request_id]) - 1
                 if len(drafted[req.request_id]) < budgets[req.request_id]:
                     chains.append((req.request_id, [token], position))
             drafting = [req for req in drafting if len(drafted[req.request_id]) < budgets[req.request_id]]
-        for req in reqs:
-            self._keep(req, drafted.get(req.request_id, []), probs.get(req.request_id))
-        acceptance = self._companion_estimates([req for req in reqs if drafted.get(req.request_id)])
-        return [Draft(drafted.get(r.request_id, []), self.name, acceptance=acceptance.get(r.request_id)) for r in reqs]
+        return drafted, probs
+
+    def _take(
+        self, req: DraftableRequest, logits: torch.Tensor, drafted: dict[str, list[int]],
+        probs: dict[str, list[torch.Tensor]],
+    ) -> int:
+        """Draw the request's next drafted token from LOGITS [vocab] into DRAFTED (its q into PROBS); returns it."""
+        token, q = self._draw(req, logits)
+        drafted[req.request_id].append(token)
+        if q is not None:
+            probs[req.request_id].append(q)
+        return token
 
     def _draw(self, req: DraftableRequest, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """The drafted token (the argmax for a greedy request, a draw from q otherwise), and q — for a greedy
@@ -188,10 +203,14 @@ class CopyThenDraft(DrafterBase):
         self.copy = copy
         self.model = model
         self._parts = (copy, model)
+        self.captures = model.captures  # a head's target states (CopySpec needs none)
 
     def begin(self, req: DraftableRequest, state: object | None = None) -> None:
         self.copy.begin(req, state)
         self.model.begin(req)
+
+    def observe(self, req: DraftableRequest, computed: Computed) -> None:
+        self.model.observe(req, computed)
 
     def extend(self, req: DraftableRequest, new_token_ids: Sequence[int]) -> None:
         for part in self._parts:

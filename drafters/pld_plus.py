@@ -112,7 +112,8 @@ class PldPlusDrafter(DrafterBase):
             raise ValueError(f"PLD+ ranking must be one of {tuple(RANKINGS)}, got {ranking!r}")
         self.ranking = ranking
         self.max_tokens = max_tokens  # K
-        self.captures = CaptureSpec(hidden_layer=layer) if ranking == "hidden" else CaptureSpec(attention_heads=heads)
+        hidden = ranking == "hidden"
+        self.captures = CaptureSpec(hidden_layers=(layer,)) if hidden else CaptureSpec(attention_heads=heads)
         self._states: dict[str, PldPlusState] = {}  # request id -> its state
         self._chosen: dict[str, tuple[int, int]] = {}  # request id -> (copied-after token, first match's) of its draft
         self.stats: Counter[str] = Counter()  # how often the ranked candidate differed from the first match, and won

@@ -8,6 +8,7 @@ from drafters.base import Drafter, DrafterContext
 from drafters.bigram import BackgroundTable, LogProgress, build_bigram_table, table_path
 from drafters.config import SpecConfig
 from drafters.copyspec import CopySpecDrafter
+from drafters.head_draft import HeadDrafter
 from drafters.model_draft import CopyThenDraft, ModelDrafter
 from drafters.ngram import NgramDrafter
 from drafters.none import NoDrafter
@@ -24,10 +25,14 @@ def _copyspec(config: SpecConfig, context: DrafterContext) -> Drafter:
 def _draft(config: SpecConfig, context: DrafterContext) -> Drafter:
     if context.draft_forward is None:
         raise ValueError(f"--drafter {config.drafter} needs a draft model: "
-                         "pass --draft-model (early-exit:N or a model)")
+                         "pass --draft-model (early-exit:N, a model or an EAGLE-3 head)")
     if context.companion_forward is not None and not context.sv_tables:
         logger.warning("no companion table for this draft and companion yet (`specserve calibrate sv`): the planner "
                        "weighs drafted tokens by statistics only")
+    if context.draft_forward.is_head:
+        if context.companion_forward is not None:
+            raise ValueError("a companion model scores a draft model's tokens; an EAGLE-3 head's are not scored yet")
+        return HeadDrafter(context.draft_forward, config.num_draft_tokens)
     return ModelDrafter(context.draft_forward, config.num_draft_tokens, context.companion_forward, context.sv_tables)
 
 

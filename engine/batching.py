@@ -33,7 +33,7 @@ def forward_item(item: ScheduledRequest, block_size: int, capture: CaptureSpec) 
     sampling = item.req.sampling
     if sampling.greedy and not sampling.processes_logits and sampling.logprobs is None:
         forward.choice = RowChoice()  # greedy: the runner sends the rows' argmax
-    if capture.hidden_layer is not None:
+    if capture.hidden_layers:
         forward.hidden_rows = list(range(n))  # the look-ahead rows' are nobody's
     if capture.attention_heads:
         forward.attention_rows = logit_rows or [n - 1]  # the last committed token is one of these

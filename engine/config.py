@@ -36,7 +36,8 @@ class ModelConfig:
         "quantised GGUF where the kernels run, else float32")})
     draft_model: str | None = field(default=None, metadata={"help": (
         "a draft model for --drafter draft / copyspec+draft: early-exit:N (the target's first N layers and its LM "
-        "head, sharing its weights and KV) or what --model takes (same vocabulary as the target)")})
+        "head, sharing its weights and KV), what --model takes (same vocabulary as the target), or a folder holding an "
+        "EAGLE-3 head for the target (the public layout SpecForge, vLLM and SGLang use; `specserve train-draft`)")})
     companion_model: str | None = field(default=None, metadata={"help": (
         "Speculative Verification's companion (the same forms as --draft-model): scores each drafted token so that "
         "the goodput planner verifies the ones worth it; its table comes from `specserve calibrate sv`")})

@@ -13,7 +13,16 @@ from engine.config import CacheConfig, EngineConfig
 from engine.drafter_context import drafter_context
 from engine.grammar import GrammarError, Grammars
 from engine.logprobs import PromptLogprobs
-from engine.model.draft_model import DraftForward, DraftModel, Reserve, draft_pool, load_draft_model, reserve_nothing
+from engine.model.draft_model import (
+    DraftForward,
+    DraftModel,
+    HeadForward,
+    Reserve,
+    draft_pool,
+    load_draft_model,
+    reserve_nothing,
+)
+from engine.model.eagle3 import Eagle3Head
 from engine.model.forward import ForwardBatch, ForwardOutput, RowChoice
 from engine.model.model_loader import LoadedModel, load_model
 from engine.model.packed_runner import PackedModelRunner
@@ -85,6 +94,8 @@ class Engine:
             draft.model, loaded.device, draft_pool(draft, pool, loaded.device), blocks.block_size, backend
         )
         profile = profile_forward_latency(runner, blocks, self.vocab_size, self.max_model_len)
+        if isinstance(draft.model, Eagle3Head):
+            return HeadForward(draft, runner, blocks, profile, loaded.model.config, reserve)
         return DraftForward(draft, runner, blocks, profile, reserve)
 
     def ready_message(self) -> EngineReady:

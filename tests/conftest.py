@@ -95,3 +95,44 @@ def tiny_other_vocab_dir(tmp_path_factory) -> str:
     return _save_tiny_llama(
         tmp_path_factory.mktemp("tiny-other-vocab"), seed=7, vocab_size=TINY_VOCAB + 16, num_layers=1
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_head_dir(tmp_path_factory) -> str:
+    """A random EAGLE-3 head for the tiny model, written by hand in the public layout (SpecForge's names, vLLM's
+    config keys): its draft vocabulary is every other token id, so half the target's tokens are never drafted."""
+    import json
+
+    from safetensors.torch import save_file
+
+    torch.manual_seed(4321)
+    hidden, inner, heads, kv_heads, head_dim = 32, 64, 4, 2, 8
+    draft_ids = torch.arange(0, TINY_VOCAB, 2)
+    tensors = {
+        "fc.weight": torch.randn(hidden, 3 * hidden) * 0.2,
+        "midlayer.input_layernorm.weight": torch.ones(hidden),
+        "midlayer.hidden_norm.weight": torch.ones(hidden),
+        "midlayer.self_attn.q_proj.weight": torch.randn(heads * head_dim, 2 * hidden) * 0.2,
+        "midlayer.self_attn.k_proj.weight": torch.randn(kv_heads * head_dim, 2 * hidden) * 0.2,
+        "midlayer.self_attn.v_proj.weight": torch.randn(kv_heads * head_dim, 2 * hidden) * 0.2,
+        "midlayer.self_attn.o_proj.weight": torch.randn(hidden, heads * head_dim) * 0.2,
+        "midlayer.post_attention_layernorm.weight": torch.ones(hidden),
+        "midlayer.mlp.gate_proj.weight": torch.randn(inner, hidden) * 0.2,
+        "midlayer.mlp.up_proj.weight": torch.randn(inner, hidden) * 0.2,
+        "midlayer.mlp.down_proj.weight": torch.randn(hidden, inner) * 0.2,
+        "norm.weight": torch.ones(hidden),
+        "lm_head.weight": torch.randn(len(draft_ids), hidden),
+        "d2t": draft_ids - torch.arange(len(draft_ids)),
+        "t2d": torch.zeros(TINY_VOCAB, dtype=torch.bool).index_fill(0, draft_ids, True),
+    }
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": inner, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-6, "hidden_act": "silu", "vocab_size": TINY_VOCAB,
+        "draft_vocab_size": len(draft_ids), "max_position_embeddings": 1024, "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 1, 2]},  # the tiny target has two layers
+    }
+    path = tmp_path_factory.mktemp("tiny-eagle3-head")
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)

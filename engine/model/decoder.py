@@ -118,8 +118,7 @@ class LeanDecoder:
             return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
         for layer in self.layers:
             hidden = self._layer(layer, hidden, *rotations[layer.rotary_type], packed)
-            if packed.hidden_index is not None and packed.hidden_layer == layer.index + 1:
-                packed.captured_hidden = hidden[packed.hidden_index].float().cpu()
+            packed.keep_hidden(layer.index + 1, hidden)
         logits = self.lm_head(self.final_norm(hidden[rows]))
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -145,8 +144,7 @@ class LeanDecoder:
                 normed = torch.ops.specserve.decoder_layer(  # the CPU's whole-layer kernel
                     hidden, normed, *rotations[layer.rotary_type], packed.write_slots, *spans,
                     pool.layer_keys[layer.index], pool.layer_values[layer.index], *layer.whole_layer_args)
-            if packed.hidden_index is not None and packed.hidden_layer == layer.index + 1:
-                packed.captured_hidden = hidden[packed.hidden_index].float().cpu()
+            packed.keep_hidden(layer.index + 1, hidden)
         return normed
 
     def _fused_layer(

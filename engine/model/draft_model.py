@@ -9,6 +9,9 @@ Two kinds:
   as many slots as the target's, addressed through the same block tables, so admission,
   preemption, rollback and session prefix sharing cover it with the target. It must share
   the target's vocabulary.
+- an EAGLE-3 head (a folder in that public layout, engine/model/eagle3.py): one layer that
+  reads the target's own hidden states, with a one-layer pool of its own like a separate
+  model's, drafting over a reduced vocabulary that `HeadForward` maps to the target's.
 
 A draft model only ever proposes: whatever its KV holds can cost acceptance, never
 exactness (the target verifies every drafted token).
@@ -21,7 +24,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from drafters.base import CaptureSpec
 from engine.config import ModelConfig
+from engine.model.eagle3 import Eagle3Head, aux_layers, is_eagle3_head, load_eagle3_head
 from engine.model.forward import ForwardBatch, chain_item
 from engine.model.model_loader import LoadedModel, load_model
 from engine.model.packed_runner import PackedModelRunner
@@ -54,6 +59,8 @@ def load_draft_model(spec: str, target: LoadedModel, config: ModelConfig, role: 
         return DraftModel(
             spec, early_exit_model(target.model, _exit_layers(spec, target.model, role)), shares_target_kv=True
         )
+    if is_eagle3_head(spec):
+        return _load_head(spec, target, role)
     loaded = load_model(replace(config, model=spec, max_model_len=None))
     draft_vocab, target_vocab = loaded.model.config.vocab_size, target.model.config.vocab_size
     if draft_vocab != target_vocab:
@@ -64,6 +71,25 @@ def load_draft_model(spec: str, target: LoadedModel, config: ModelConfig, role: 
     if loaded.device != target.device:
         raise ValueError(f"the {role} model loaded on {loaded.device}, the target on {target.device}")
     return DraftModel(loaded.source.name, loaded.model, shares_target_kv=False)
+
+
+def _load_head(path: str, target: LoadedModel, role: str) -> DraftModel:
+    """An EAGLE-3 head for TARGET, in float32 on a CPU (the target's dtype on a GPU), embedding with the target's
+    embedding; refused where its vocabulary, hidden size or layers do not fit the target."""
+    if role != "draft":
+        raise ValueError(f"an EAGLE-3 head drafts; it cannot be the {role} model")
+    config = target.model.config
+    dtype = torch.float32 if target.device.type == "cpu" else next(target.model.parameters()).dtype
+    head = load_eagle3_head(path, target.model.get_input_embeddings(), dtype, target.device)
+    target_hidden = getattr(head.config, "target_hidden_size", None) or head.config.hidden_size
+    if head.config.vocab_size != config.vocab_size or int(head.target_ids.max()) >= config.vocab_size:
+        raise ValueError(f"the head {path!r} drafts for a vocabulary of {head.config.vocab_size} tokens and the target "
+                         f"has {config.vocab_size}: a head must be trained for the target's tokenizer")
+    if target_hidden != config.hidden_size or head.config.hidden_size != config.hidden_size:
+        raise ValueError(f"the head {path!r} reads hidden states of size {target_hidden} and embeds at "
+                         f"{head.config.hidden_size}; the target's are {config.hidden_size}")
+    aux_layers(head.config, config.num_hidden_layers)  # refuses layers the target does not have
+    return DraftModel(path, head, shares_target_kv=False)
 
 
 def _exit_layers(spec: str, target: torch.nn.Module, role: str) -> int:
@@ -138,8 +164,61 @@ class DraftForward:
         ]
         return self.runner.execute(ForwardBatch(items)).logits
 
+    @property
+    def is_head(self) -> bool:
+        return False
+
     @staticmethod
     def probs(logits: torch.Tensor, params) -> torch.Tensor:
         """[vocab] logits -> the model's distribution as a request samples: the processing plain sampling applies to
         the target's logits (temperature, top-k, top-p); a plain softmax for a greedy request."""
         return torch.softmax(logits.float(), dim=-1) if params.greedy else target_probs(logits[None], params)[0]
+
+
+class HeadForward(DraftForward):
+    """What a head drafter is lent (drafters/head_draft.py): the head's packed forwards, each token reading the fused
+    state a drafter gives it, returning target-vocabulary logits (-inf outside the draft vocabulary, so a draft
+    distribution is exactly 0 there) and each chain's last output, which the next drafted position reads."""
+
+    def __init__(
+        self, draft: DraftModel, runner: PackedModelRunner, blocks: KVBlockManager,
+        latency_profile: dict[int, float], target_config, reserve: Reserve = reserve_nothing,
+    ) -> None:
+        super().__init__(draft, runner, blocks, latency_profile, reserve)
+        head: Eagle3Head = draft.model
+        self.target_layers = aux_layers(head.config, target_config.num_hidden_layers)
+        self.hidden_size = head.config.hidden_size
+        self.vocab_size = target_config.vocab_size
+        self.target_ids = head.target_ids.cpu()
+
+    @property
+    def is_head(self) -> bool:
+        return True
+
+    @property
+    def captures(self) -> CaptureSpec:
+        """What the target's forward keeps for the head: its three layers' states."""
+        return CaptureSpec(hidden_layers=self.target_layers)
+
+    @torch.inference_mode()
+    def fuse(self, target_states: torch.Tensor) -> torch.Tensor:
+        """[n, 3 * hidden] the target's captured states -> [n, hidden] what a head entry reads, on the host."""
+        return self.model.fuse(target_states).float().cpu()
+
+    def run(
+        self, chains: list[tuple[str, list[int], int]], features: list[torch.Tensor],
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Chains as `__call__` takes them, FEATURES [len(tokens), hidden] what each chain's tokens read -> per chain
+        [1, vocab] float32 logits at its last token, and [hidden] the head's output there."""
+        items = []
+        for request_id, token_ids, start in chains:
+            item = chain_item(token_ids, start, self.blocks.block_tables[request_id], self.blocks.block_size)
+            item.hidden_rows = [len(token_ids) - 1]
+            items.append(item)
+        out = self.runner.execute(ForwardBatch(items, CaptureSpec(hidden_layers=(1,)), torch.cat(features)))
+        return [self._target_logits(logits) for logits in out.logits], [hidden[-1] for hidden in out.hidden]
+
+    def _target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        full = logits.new_full((len(logits), self.vocab_size), float("-inf"))
+        full[:, self.target_ids] = logits.float()
+        return full

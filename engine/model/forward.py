@@ -76,6 +76,8 @@ class RowChoice:
 class ForwardBatch:
     items: list[ForwardItem]
     capture: CaptureSpec = field(default_factory=CaptureSpec)
+    # [total new tokens, hidden] what a draft head reads beside each token, items in order (engine/model/eagle3.py)
+    features: torch.Tensor | None = None
 
 
 @dataclass

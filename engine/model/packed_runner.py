@@ -105,9 +105,10 @@ class PackedModelRunner:
         positions = self._tensor([p for item in items for p in item.positions])
         if self.decoder is not None:
             return packed, self.decoder(token_ids, positions, rows, packed)
+        features = {} if batch.features is None else {"features": batch.features.to(self.device)}
         return packed, self.model(
             input_ids=token_ids[None], position_ids=positions[None], use_cache=False, logits_to_keep=rows,
-            packed_batch=packed,
+            packed_batch=packed, **features,
         ).logits[0]
 
     def move_kv(self, moves: list[tuple[int, int]]) -> None:
@@ -204,15 +205,16 @@ class PackedModelRunner:
     # --- captures --------------------------------------------------------------------------
     def _ask_captures(self, packed: PackedBatch, batch: ForwardBatch, members: list[GroupMember]) -> None:
         capture = batch.capture
-        if capture.hidden_layer is not None:
+        if capture.hidden_layers:
             hidden_rows = [m.query_start + row for item, m in zip(batch.items, members) for row in item.hidden_rows]
             if hidden_rows:
                 num_layers = self.model.config.num_hidden_layers
-                if not 1 <= capture.hidden_layer <= num_layers:
-                    raise ValueError(f"hidden-state captures need a layer in [1, {num_layers}]")
+                if not all(1 <= layer <= num_layers for layer in capture.hidden_layers):
+                    raise ValueError(f"hidden-state captures need layers in [1, {num_layers}]")
                 if self.decoder is None:  # the lean decoder keeps them itself
-                    self._ensure_hidden_hook(capture.hidden_layer)
-                packed.hidden_layer, packed.hidden_index = capture.hidden_layer, self._tensor(hidden_rows)
+                    for layer in capture.hidden_layers:
+                        self._ensure_hidden_hook(layer)
+                packed.hidden_layers, packed.hidden_index = capture.hidden_layers, self._tensor(hidden_rows)
         for layer, head in capture.attention_heads:
             packed.capture_heads.setdefault(layer, []).append(head)
         if packed.capture_heads:
@@ -234,15 +236,16 @@ class PackedModelRunner:
 
     def _ensure_hidden_hook(self, hidden_layer: int) -> None:
         """A hook on decoder layer HIDDEN_LAYER - 1 keeps its output at the asked rows (transformers' hidden_states
-        index: 1 = after the first layer). The batch travels in the layer's kwargs, so the hook holds no state."""
+        index: 1 = after the first layer) when a batch captures that layer. The batch travels in the layer's kwargs,
+        so the hook holds no state."""
         if hidden_layer in self._hidden_hooks:
             return
 
         def keep_rows(module, args, kwargs, output) -> None:
             packed = kwargs.get("packed_batch")
-            if packed is not None and packed.hidden_layer == hidden_layer and packed.hidden_index is not None:
-                hidden = output[0] if isinstance(output, tuple) else output  # [1, total, hidden_size]
-                packed.captured_hidden = hidden[0, packed.hidden_index].float().cpu()
+            if packed is not None:
+                hidden = output[0] if isinstance(output, tuple) else output  # [(1,) total, hidden_size]
+                packed.keep_hidden(hidden_layer, hidden.reshape(-1, hidden.shape[-1]))
 
         self.model.model.layers[hidden_layer - 1].register_forward_hook(keep_rows, with_kwargs=True)
         self._hidden_hooks.add(hidden_layer)
@@ -253,6 +256,7 @@ class PackedModelRunner:
         rows, hidden states and attention rows."""
         out = ForwardOutput([], [], [], [])
         host_logits, chosen = _to_host(batch, logits)
+        hidden = packed.hidden_states()
         logit_start = hidden_start = device_start = 0
         for i, item in enumerate(batch.items):
             num_logits, num_drafter, num_prompt = len(item.logit_rows), len(item.drafter_rows), len(item.prompt_rows)
@@ -268,7 +272,6 @@ class PackedModelRunner:
             drafter = host_logits[logit_start + num_logits:logit_start + num_logits + num_drafter]
             out.drafter_logits.append(drafter if num_drafter else None)
             logit_start += num_logits + num_drafter
-            hidden = packed.captured_hidden
             num_hidden = len(item.hidden_rows) if packed.hidden_index is not None else 0
             out.hidden.append(hidden[hidden_start:hidden_start + num_hidden] if num_hidden else None)
             hidden_start += num_hidden

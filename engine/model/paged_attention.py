@@ -134,9 +134,21 @@ class PackedBatch:
     attention_captures: list[AttentionCapture] = field(default_factory=list)
     # (item, layer) -> [rows, heads, L]
     captured_attention: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    hidden_layer: int | None = None  # capture the residual stream after this many decoder layers
-    hidden_index: torch.Tensor | None = None  # [n] packed indices whose hidden state is kept
-    captured_hidden: torch.Tensor | None = None  # [n, hidden_size]
+    hidden_layers: tuple[int, ...] = ()  # capture the residual stream after each of these many decoder layers
+    hidden_index: torch.Tensor | None = None  # [n] packed indices whose hidden states are kept
+    captured_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer count -> [n, hidden_size]
+
+    def keep_hidden(self, num_layers_done: int, hidden: torch.Tensor) -> None:
+        """Keep the asked rows of HIDDEN [total, hidden_size], the residual stream after NUM_LAYERS_DONE layers, if
+        that is a capture layer."""
+        if self.hidden_index is not None and num_layers_done in self.hidden_layers:
+            self.captured_hidden[num_layers_done] = hidden[self.hidden_index].float().cpu()
+
+    def hidden_states(self) -> torch.Tensor | None:
+        """[n, hidden_size * capture layers] the kept rows, the layers concatenated in the order asked."""
+        if self.hidden_index is None:
+            return None
+        return torch.cat([self.captured_hidden[layer] for layer in self.hidden_layers], dim=-1)
 
 
 def _gather_blocks(

@@ -30,7 +30,7 @@ def test_registry_builds_by_name(tmp_path):
     assert build_drafter(SpecConfig(drafter="spectra", spectra_index_mib=0), context(tmp_path)).traffic is None
     assert (tmp_path / "tables").is_dir()
     plus = build_drafter(SpecConfig(drafter="pld-plus"), context(tmp_path))  # no calibration yet: hidden states
-    assert plus.ranking == "hidden" and plus.captures.hidden_layer == 1 and plus.max_tokens == 70
+    assert plus.ranking == "hidden" and plus.captures.hidden_layers == (1,) and plus.max_tokens == 70
     with pytest.raises(ValueError, match="calibrate"):
         build_drafter(SpecConfig(drafter="pld-plus", pld_plus_ranking="attention"), context(tmp_path))
     # the engine lends a draft model's forward only when it has one

@@ -114,6 +114,29 @@ def test_sampling_with_a_draft_model_matches_plain_sampling(tiny_model_dir):
 
 
 @pytest.mark.slow
+def test_sampling_with_a_head_matches_plain_sampling(tiny_model_dir, tiny_head_dir):
+    """Drafts sampled from an EAGLE-3 head over half the vocabulary (conftest's tiny_head_dir): q is 0 on every odd
+    token id, which the residual (p - q)+ must then give exactly its probability under p."""
+    def engine(drafter, draft_model=None):
+        return Engine(EngineConfig(
+            model=ModelConfig(model=tiny_model_dir, device="cpu", draft_model=draft_model),
+            cache=CacheConfig(0.05),
+            scheduler=SchedulerConfig(
+                max_num_seqs=NUM_SAMPLES, max_num_batched_tokens=32 * NUM_SAMPLES, max_waiting=NUM_SAMPLES,
+                use_goodput_planner=False,
+            ),
+            spec=SpecConfig(drafter=drafter, num_draft_tokens=2),
+        ))
+
+    params = SamplingParams(temperature=0.8, top_k=10, max_tokens=3, ignore_eos=True)
+    plain, _ = sample_pairs(engine("none"), params)
+    speculative, num_accepted = sample_pairs(engine("draft", tiny_head_dir), params)
+    assert 20 <= num_accepted < 2 * NUM_SAMPLES  # accepted and rejected drafts both ran
+    assert sum(count for (second, third), count in plain.items() if second % 2 or third % 2) > NUM_SAMPLES // 4
+    assert_same_distribution(plain, speculative)
+
+
+@pytest.mark.slow
 def test_spectra_sampling_with_lookahead_rows_matches_plain_sampling(tiny_model_dir):
     """SPECTRA's own drafter: its guesses as one tree and its candidate pool's look-ahead rows in the same forward
     (planner off: every chain carried), sampled at T = 1 by the multi-candidate rule."""

@@ -126,7 +126,7 @@ def test_a_hidden_state_capture_is_the_layers_output(tiny_model_dir, fused, monk
     runners = [runner_for(tiny_model_dir, "float32", lean, monkeypatch, fused) for lean in (False, True)]
     item = chain_item([1, 5, 9, 13, 7], 0, list(range(4)), BLOCK_SIZE)
     item.hidden_rows = [0, 3, 4]
-    outputs = [runner.execute(ForwardBatch([item], CaptureSpec(hidden_layer=1))) for runner in runners]
+    outputs = [runner.execute(ForwardBatch([item], CaptureSpec(hidden_layers=(1,)))) for runner in runners]
     assert outputs[1].hidden[0].shape == (3, 32)
     if runners[1].decoder.fuses:
         torch.testing.assert_close(outputs[1].hidden[0], outputs[0].hidden[0], rtol=1e-5, atol=1e-5)

@@ -175,7 +175,7 @@ def test_captures_return_the_hidden_states_and_attention_rows_of_a_plain_forward
     reference, runner = models
     blocks = KVBlockManager(num_blocks=32, block_size=BLOCK_SIZE)
     context = [1, 5, 9, 13, 7, 3, 22, 6, 4]
-    capture = CaptureSpec(hidden_layer=1, attention_heads=((0, 1), (1, 3), (1, 0)))
+    capture = CaptureSpec(hidden_layers=(1,), attention_heads=((0, 1), (1, 3), (1, 0)))
     first = chain_item(context[:6], 0, blocks.grow("s", 6), BLOCK_SIZE)
     first.hidden_rows, first.attention_rows = list(range(6)), [5]
     second = tree_item(context[6:] + [11], [-1, 0, 1, 1], 6, blocks.grow("s", 10), BLOCK_SIZE, [2, 3])

@@ -1,0 +1,135 @@
+"""Drafting with an EAGLE-3 head (`--drafter draft` when `--draft-model` is a head; engine/model/eagle3.py).
+
+A head drafts as a draft model does (drafters/model_draft.py: the scheduler's budget per request, one packed forward
+per drafted position, q kept for the verifier) but each token it reads comes with a state: for the request's real
+tokens the target's own hidden states at the three layers the head names, captured in the target's forward, fused
+(`observe`); for a drafted token the head's own output at the position before. Its entry for the token at position p
+reads the state at p - 1, so each round first computes the real tokens the head has not yet read with the target's
+states (the tokens accepted last step, or a whole prompt), whose last output drafts the first token.
+
+Drafted tokens' entries read the head's states, not the target's: when the target accepts them, the next round
+computes them again with the target's (as vLLM does), so the head's KV only ever holds real tokens read with the
+target's states. A state the head needs and does not have (a session resumed past where its states were kept) reads
+zeros, which can cost acceptance, never exactness.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from drafters.base import CaptureSpec, Computed, DraftableRequest, common_prefix_len
+from drafters.model_draft import ModelDrafter
+
+
+@dataclass
+class HeadKV:
+    """What the head holds of a request's real tokens."""
+
+    num_valid: int = 0  # positions whose head KV holds the request's real tokens read with the target's states
+    token_ids: list[int] = field(default_factory=list)  # those tokens, when a turn ends (what a next turn shares)
+    states_start: int = 0  # position of states[0]
+    states: torch.Tensor | None = None  # [n, hidden] fused target states of positions states_start.. not yet read
+
+    @property
+    def num_bytes(self) -> int:
+        return 0 if self.states is None else self.states.numel() * self.states.element_size()
+
+    def add_states(self, start: int, fused: torch.Tensor) -> None:
+        """The target's fused states of positions START.. (a step's or a chunk's, in order)."""
+        if self.states is None or start != self.states_start + len(self.states):
+            self.states_start, self.states = start, fused
+        else:
+            self.states = torch.cat([self.states, fused])
+
+    def read_by(self, start: int, end: int, hidden_size: int) -> torch.Tensor:
+        """[end - start, hidden] the states the entries of positions START..END-1 read: each the state at p - 1,
+        zeros where none is kept."""
+        out = torch.zeros(end - start, hidden_size)
+        if self.states is not None:
+            first = max(start - 1, self.states_start)  # positions of the states read, first..last-1
+            last = min(end - 1, self.states_start + len(self.states))
+            if first < last:
+                kept = self.states[first - self.states_start:last - self.states_start]
+                out[first + 1 - start:last + 1 - start] = kept
+        return out
+
+    def keep_from(self, position: int) -> None:
+        """Forget the states of positions before POSITION: read already."""
+        if self.states is None or position <= self.states_start:
+            return
+        kept = self.states[position - self.states_start:]
+        self.states, self.states_start = (kept if len(kept) else None), position
+
+
+class HeadDrafter(ModelDrafter):
+    """A draft model's drafter whose model is a head: the target's states in, the head's own states carried from one
+    drafted position to the next."""
+
+    def __init__(self, forward, max_tokens: int) -> None:
+        super().__init__(forward, max_tokens)
+        self.captures: CaptureSpec = forward.captures
+        self._kv: dict[str, HeadKV] = {}
+
+    def begin(self, req: DraftableRequest, state: object | None = None) -> None:
+        """A session's next turn keeps what the head computed of the prefix it shares with the history and whose KV
+        the cache kept."""
+        super().begin(req)
+        kv = state if isinstance(state, HeadKV) else HeadKV()
+        shared = common_prefix_len(kv.token_ids, req.all_token_ids)
+        kv.num_valid = min(kv.num_valid, shared, req.num_computed_tokens)
+        self._kv[req.request_id] = kv
+
+    def observe(self, req: DraftableRequest, computed: Computed) -> None:
+        if computed.hidden_states is not None and len(computed.token_ids):
+            self._kv[req.request_id].add_states(computed.start, self.forward.fuse(computed.hidden_states))
+
+    def extend(self, req: DraftableRequest, new_token_ids: Sequence[int]) -> None:
+        """Drafted entries are never kept (the next round reads the accepted tokens with the target's states)."""
+        state = self._states[req.request_id]
+        state.fed, state.drafted, state.scores = [], [], []
+
+    def preempt(self, req: DraftableRequest) -> None:
+        self._kv[req.request_id] = HeadKV()
+
+    def finish(self, req: DraftableRequest) -> HeadKV | None:
+        self._states.pop(req.request_id, None)
+        kv = self._kv.pop(req.request_id, None)
+        if kv is not None:
+            kv.token_ids = list(req.all_token_ids[:kv.num_valid])
+        return kv
+
+    def state_bytes(self) -> int:
+        return super().state_bytes() + sum(kv.num_bytes for kv in self._kv.values())
+
+    def _draft(
+        self, drafting: list[DraftableRequest], budgets: dict[str, int],
+    ) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
+        """The first forward reads each request's unread real tokens with the target's states; each next one a
+        drafted token with the head's output before it."""
+        drafted: dict[str, list[int]] = {req.request_id: [] for req in drafting}
+        probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req in drafting}
+        chains, features = zip(*map(self._catch_up, drafting)) if drafting else ((), ())
+        while chains:
+            logits, outputs = self.forward.run(list(chains), list(features))
+            chains, features = [], []
+            for req, row, output in zip(drafting, logits, outputs):
+                token = self._take(req, row[0], drafted, probs)
+                if len(drafted[req.request_id]) < budgets[req.request_id]:
+                    position = len(req.all_token_ids) + len(drafted[req.request_id]) - 1
+                    chains.append((req.request_id, [token], position))
+                    features.append(output[None])
+            drafting = [req for req in drafting if len(drafted[req.request_id]) < budgets[req.request_id]]
+        return drafted, probs
+
+    def _catch_up(self, req: DraftableRequest) -> tuple[tuple[str, list[int], int], torch.Tensor]:
+        """The chain of the request's tokens the head has not read, and the states they read."""
+        kv, end = self._kv[req.request_id], len(req.all_token_ids)
+        start = min(kv.num_valid, end - 1)
+        chain = (req.request_id, list(req.all_token_ids[start:end]), start)
+        features = kv.read_by(start, end, self.forward.hidden_size)
+        kv.num_valid = end
+        kv.keep_from(end - 1)
+        return chain, features
+

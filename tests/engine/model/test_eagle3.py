@@ -1,0 +1,126 @@
+"""EAGLE-3 heads as draft models (engine/model/eagle3.py, drafters/head_draft.py): a head written in the public layout
+loads and drafts, greedy output stays the target's, what the head reads, the layout it writes, what start-up refuses."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bench.exactness import divergence_verdict
+from drafters.config import SpecConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.engine import Engine
+from engine.model.eagle3 import (
+    WEIGHTS_FILE,
+    aux_layers,
+    is_eagle3_head,
+    load_eagle3_head,
+    read_head_config,
+    save_eagle3_head,
+)
+from engine.wire import SamplingParams
+from scheduler.config import SchedulerConfig, SessionConfig
+from tests.conftest import TINY_VOCAB
+from tests.engine.helpers import run_to_completion
+from tests.engine.model.test_draft_model import SMALL_POOL, draft_engine
+from tests.engine.test_engine import prompts
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    return Engine(EngineConfig(
+        model=ModelConfig(model=tiny_model_dir, device="cpu"), spec=SpecConfig(drafter="none"),
+        cache=CacheConfig(SMALL_POOL), sessions=SessionConfig(mode="off"),
+    ))
+
+
+@pytest.mark.parametrize("drafter,planner", [("draft", False), ("draft", True), ("copyspec+draft", False)])
+def test_greedy_output_with_a_head_equals_plain_decoding(plain, tiny_model_dir, tiny_head_dir, drafter, planner):
+    engine = draft_engine(tiny_model_dir, tiny_head_dir, drafter, planner)
+    assert engine.speculation.captures.hidden_layers == (1, 1, 2)  # the target keeps the states the head reads
+    batch = prompts(6, seed=5)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * len(batch)
+    reference = run_to_completion(plain, batch, params)
+    outputs = run_to_completion(engine, batch, params)
+    for i, prompt in enumerate(batch):
+        ref, out = reference[f"req-{i}"].new_token_ids, outputs[f"req-{i}"].new_token_ids
+        assert divergence_verdict(plain.runner.model, prompt, ref, out) != "mismatch", i
+    assert sum(o.spec.num_draft_tokens for o in outputs.values()) > 0, "the head must have drafted"
+
+
+def test_a_head_drafts_only_tokens_of_its_draft_vocabulary(tiny_model_dir, tiny_head_dir):
+    engine = draft_engine(tiny_model_dir, tiny_head_dir)
+    drafted = []
+    propose = engine.speculation.drafter.propose
+
+    def keep(reqs):
+        drafts = propose(reqs)
+        drafted.extend(t for draft in drafts for t in draft.token_ids)
+        return drafts
+
+    engine.speculation.drafter.propose = keep
+    run_to_completion(engine, prompts(3, seed=9), [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True,
+                                                                   seed=1)] * 3)
+    assert drafted and all(token % 2 == 0 for token in drafted)  # the tiny head's draft ids map to even token ids
+
+
+def test_the_head_reads_the_targets_states_as_a_first_forward_over_the_unread_tokens(tiny_model_dir, tiny_head_dir):
+    """Each round's first head forward reads the real tokens the head has not read, with the target's fused states;
+    drafted tokens' entries are computed again next round."""
+    engine = draft_engine(tiny_model_dir, tiny_head_dir)
+    forward = engine.speculation.drafter.forward
+    runs = []
+    run = forward.run
+
+    def record(chains, features):
+        runs.append([(start, len(tokens), f.abs().sum(-1).gt(0).tolist()) for (_, tokens, start), f in
+                     zip(chains, features)])
+        return run(chains, features)
+
+    forward.run = record
+    prompt = prompts(1, seed=2)[0]
+    run_to_completion(engine, [prompt], [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)])
+    first = runs[0][0]
+    assert first[0] == 0 and first[1] == len(prompt) + 1  # the whole prompt and the first generated token
+    assert first[2] == [False] + [True] * len(prompt)  # position 0 reads zeros, every later one a target state
+    catch_ups = [r[0] for r in runs if r[0][1] > 1 or not r[0][0]]
+    assert all(all(reads) for _, _, reads in catch_ups[1:])
+
+
+def test_a_head_the_target_cannot_feed_is_refused(tiny_model_dir, tiny_head_dir, tmp_path):
+    with open(f"{tiny_head_dir}/config.json") as file:
+        config = json.load(file)
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 5]  # the tiny target has two layers
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / WEIGHTS_FILE).symlink_to(f"{tiny_head_dir}/{WEIGHTS_FILE}")
+    with pytest.raises(ValueError, match="three target layers"):
+        draft_engine(tiny_model_dir, str(tmp_path))
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 1, 2]
+    config["vocab_size"] = TINY_VOCAB + 16
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="vocabulary"):
+        draft_engine(tiny_model_dir, str(tmp_path))
+
+
+def test_a_head_is_not_a_companion(tiny_model_dir, tiny_head_dir, tiny_draft_model_dir):
+    with pytest.raises(ValueError, match="cannot be the companion"):
+        Engine(EngineConfig(
+            model=ModelConfig(model=tiny_model_dir, device="cpu", draft_model=tiny_draft_model_dir,
+                              companion_model=tiny_head_dir),
+            cache=CacheConfig(SMALL_POOL), scheduler=SchedulerConfig(max_num_seqs=2),
+            spec=SpecConfig(drafter="draft"), sessions=SessionConfig(mode="off"),
+        ))
+
+
+def test_a_written_head_keeps_the_public_layout(tiny_head_dir, tmp_path):
+    embed = torch.nn.Embedding(TINY_VOCAB, 32)
+    head = load_eagle3_head(tiny_head_dir, embed, torch.float32, torch.device("cpu"))
+    save_eagle3_head(head, tmp_path, TINY_VOCAB)
+    original, written = load_file(f"{tiny_head_dir}/{WEIGHTS_FILE}"), load_file(str(tmp_path / WEIGHTS_FILE))
+    assert sorted(written) == sorted(original)
+    assert all(torch.equal(written[name], original[name]) for name in original)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
+    assert is_eagle3_head(tmp_path) and not is_eagle3_head(tmp_path / "nothing")
+    assert aux_layers(read_head_config(tmp_path), 2) == (1, 1, 2)
+    assert aux_layers(read_head_config(tmp_path).__class__(), 30) == (2, 15, 27)  # vLLM's default without ids
