@@ -1,4 +1,5 @@
-"""The `specserve` command: `serve` (server/), `calibrate` (engine/calibration/) and `bench` (bench/).
+"""The `specserve` command: `serve` (server/), `calibrate` (engine/calibration/), `train-draft` (engine/training/)
+and `bench` (bench/).
 
 It lives beside the packages rather than in `server/`, so that the server never imports the benchmark harness
 or the offline tools: this module is the one place that wires them. Each subcommand sets `run`, the function
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(commands)
     add_calibrate_parser(commands)
+    add_train_draft_parser(commands)
     add_bench_parser(commands)
     return parser
 
@@ -58,6 +60,43 @@ def calibrate_artifact(args: argparse.Namespace) -> None:
     options = CalibrationOptions(args.max_new_tokens, args.out, "specserve " + shlex.join(sys.argv[1:]),
                                  args.corpus_keep, args.corpus_mib)
     ARTIFACTS[args.artifact](engine_config(args, "none"), options)
+
+
+def add_train_draft_parser(commands) -> None:
+    from engine.training import TrainOptions  # heavy: see build_parser
+    from server.cli import add_engine_flags  # heavy: see build_parser
+
+    train = commands.add_parser(
+        "train-draft", help="train an EAGLE-3 draft head for the served model on this machine",
+        description="The served model answers training prompts written for it (greedy and sampled); a head of one "
+                    "layer learns from its hidden states by training-time test and is written in the public "
+                    "EAGLE-3 layout, for --draft-model.",
+    )
+    defaults = TrainOptions(Path("."))
+    train.add_argument("--out", type=Path, required=True, help="the head's folder (checkpoints under it)")
+    train.add_argument("--num-prompts", type=int, default=defaults.num_prompts, help="training prompts answered")
+    train.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens, help="tokens of each answer")
+    train.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab,
+                       help="draft vocabulary: the answer tokens seen most often")
+    train.add_argument("--intermediate-size", type=int, default=defaults.intermediate_size,
+                       help="the head's MLP width")
+    train.add_argument("--epochs", type=int, default=defaults.epochs, help="passes over the training answers")
+    train.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (AdamW, cosine)")
+    train.add_argument("--ttt-steps", type=int, default=defaults.ttt_steps,
+                       help="training-time test steps: drafted positions each answer is trained at")
+    train.add_argument("--seed", type=int, default=defaults.seed, help="prompts, sampled answers and training order")
+    add_engine_flags(train)
+    train.set_defaults(run=train_draft_head)
+
+
+def train_draft_head(args: argparse.Namespace) -> None:
+    from engine.training import TrainOptions, train_draft  # heavy: see build_parser
+    from server.cli import engine_config  # heavy: see build_parser
+
+    logging.basicConfig(level=logging.INFO)
+    options = TrainOptions(args.out, args.num_prompts, args.max_new_tokens, args.draft_vocab, args.intermediate_size,
+                           args.epochs, args.lr, args.ttt_steps, args.seed, "specserve " + shlex.join(sys.argv[1:]))
+    train_draft(engine_config(args, "none"), options)
 
 
 def main(argv: list[str] | None = None) -> None:
