@@ -31,6 +31,7 @@ from engine.model.forward import ForwardBatch, chain_item
 from engine.model.model_loader import LoadedModel, load_model
 from engine.model.packed_runner import PackedModelRunner
 from engine.model.paged_attention import PagedKVPool, kv_shape
+from engine.model.weights import apply_head_weights
 from engine.sampler import target_probs
 from scheduler.kv_blocks import KVBlockManager
 
@@ -81,6 +82,8 @@ def _load_head(path: str, target: LoadedModel, role: str) -> DraftModel:
     config = target.model.config
     dtype = torch.float32 if target.device.type == "cpu" else next(target.model.parameters()).dtype
     head = load_eagle3_head(path, target.model.get_input_embeddings(), dtype, target.device)
+    if target.device.type == "cpu":
+        apply_head_weights(head, target.weights)
     target_hidden = getattr(head.config, "target_hidden_size", None) or head.config.hidden_size
     if head.config.vocab_size != config.vocab_size or int(head.target_ids.max()) >= config.vocab_size:
         raise ValueError(f"the head {path!r} drafts for a vocabulary of {head.config.vocab_size} tokens and the target "

@@ -178,16 +178,20 @@ class Eagle3Head(nn.Module):
         """[draft vocab] the target token id of each draft id."""
         return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of its residual stream (its Linear layers may keep their weights in another form)."""
+        return self.model.norm.weight.dtype
+
     def fuse(self, target_states: torch.Tensor) -> torch.Tensor:
         """[n, 3 * target hidden] the target's states at the capture layers, concatenated -> [n, hidden]."""
-        weight = self.model.fc.weight
-        return self.model.fc(target_states.to(device=weight.device, dtype=weight.dtype))
+        return self.model.fc(target_states.to(device=self.d2t.device, dtype=self.dtype))
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed_batch: PackedBatch,
         logits_to_keep: torch.Tensor, features: torch.Tensor | None = None, use_cache: bool = False,
     ) -> HeadOutput:
-        dtype = self.lm_head.weight.dtype
+        dtype = self.dtype
         embeds = self.embed(input_ids[0]).to(dtype)  # [total, hidden]
         hidden = features.to(dtype) if features is not None else torch.zeros_like(embeds)
         cos, sin = (t[0, :, None, :].to(dtype) for t in self.model.rotary_emb(embeds, position_ids))

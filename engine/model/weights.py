@@ -296,3 +296,26 @@ def _float_linear(parts: list[torch.nn.Linear]) -> torch.nn.Linear:
         fused.bias = torch.nn.Parameter(bias, requires_grad=False)
     return fused
 
+
+
+def apply_head_weights(module: torch.nn.Module, mode: str) -> None:
+    """Every Linear under MODULE (a draft head, whose weights come as floats) in the form MODE gives the target's:
+    8-bit blocks for gguf (the block kernels), int8 for int8 and int4 (a head is small, and its agreement with the
+    target is all it is for), bfloat16 as asked; float32 leaves them. Its cost per drafted token is then mostly its
+    weights' bytes, a quarter of float32's."""
+    if mode == "float32":
+        return
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(parent, name, _head_linear(mode, child))
+
+
+def _head_linear(mode: str, linear: torch.nn.Linear) -> torch.nn.Module:
+    if linear.bias is not None:
+        raise ValueError("a draft head's Linear layers have no bias")
+    if mode == "gguf":
+        return block_linear.BlockLinear.from_blocks(BlockWeights.int8_symmetric(linear.weight))
+    if mode == "bfloat16":
+        return Bf16Linear(linear.weight)
+    return Int8Linear.from_weight(linear.weight)

@@ -124,3 +124,25 @@ def test_a_written_head_keeps_the_public_layout(tiny_head_dir, tmp_path):
     assert is_eagle3_head(tmp_path) and not is_eagle3_head(tmp_path / "nothing")
     assert aux_layers(read_head_config(tmp_path), 2) == (1, 1, 2)
     assert aux_layers(read_head_config(tmp_path).__class__(), 30) == (2, 15, 27)  # vLLM's default without ids
+
+
+@pytest.mark.parametrize("weights", ["gguf", "int8"])
+def test_a_head_keeps_its_weights_as_the_target_does_and_output_stays_the_targets(tiny_model_dir, tiny_head_dir,
+                                                                                  weights):
+    def engine(drafter, draft_model=None):
+        return Engine(EngineConfig(
+            model=ModelConfig(model=tiny_model_dir, device="cpu", weights=weights, draft_model=draft_model),
+            cache=CacheConfig(SMALL_POOL), scheduler=SchedulerConfig(max_num_seqs=8, use_goodput_planner=False),
+            spec=SpecConfig(drafter=drafter, num_draft_tokens=4), sessions=SessionConfig(mode="off"),
+        ))
+
+    plain, drafting = engine("none"), engine("draft", tiny_head_dir)
+    head = drafting.speculation.drafter.forward.model
+    assert not any(isinstance(m, torch.nn.Linear) for m in head.modules())  # every Linear in the target's form
+    batch = prompts(4, seed=6)
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * len(batch)
+    reference, outputs = run_to_completion(plain, batch, params), run_to_completion(drafting, batch, params)
+    for i, prompt in enumerate(batch):
+        ref, out = reference[f"req-{i}"].new_token_ids, outputs[f"req-{i}"].new_token_ids
+        assert divergence_verdict(plain.runner.model, prompt, ref, out) != "mismatch", i
+    assert sum(o.spec.num_draft_tokens for o in outputs.values()) > 0
