@@ -32,6 +32,7 @@ from bench.data import load_questions
 from bench.exactness import divergence_verdict
 from bench.mt import turn_prompts
 from engine.engine import Engine
+from engine.model.draft_model import MODEL_DRAFTERS
 from engine.wire import EngineRequest, SamplingParams
 
 MODES = {  # mode -> (drafter, goodput planner, drafted tokens, companion)
@@ -43,7 +44,6 @@ MODES = {  # mode -> (drafter, goodput planner, drafted tokens, companion)
     "copyspec": ("copyspec", True, 5, False),
     "copyspec+draft": ("copyspec+draft", True, 5, False),
 }
-DRAFT_DRAFTERS = ("draft", "copyspec+draft")  # the drafters that use the draft model: `copyspec` runs as it is served
 RUNS = [(mode, "mt-bench") for mode in MODES] + [("copyspec", "mt-redundant"), ("copyspec+draft", "mt-redundant")]
 DEFAULT_DRAFT, DEFAULT_COMPANION = "early-exit:29", "early-exit:24"  # see the results' README section
 TEMPERATURES = (0.0, 0.7)
@@ -54,7 +54,7 @@ def mode_engine(args, config, mode: str) -> Engine:
     config = config.with_drafter(drafter)
     engine = Engine(replace(
         config,
-        model=replace(config.model, draft_model=draft_model(args) if drafter in DRAFT_DRAFTERS else None,
+        model=replace(config.model, draft_model=draft_model(args) if drafter in MODEL_DRAFTERS else None,
                       companion_model=companion_model(args) if companion else None),
         scheduler=replace(config.scheduler, use_goodput_planner=planner),
         spec=replace(config.spec, num_draft_tokens=num_tokens),

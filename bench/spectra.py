@@ -2,10 +2,12 @@
 (`--temperature`), in-process engines (drafters/spectra.py).
 
 - headline (`--limit` questions of each set): `none`, `copyspec`, `ngram`, `spectra-core` and `spectra` (its
-  retrieval indexes: the traffic and the calibrated corpus) with the goodput planner on, what users get. The
-  look-ahead rows the planner let the pool add are reported per call.
+  retrieval indexes: the traffic and the calibrated corpus) with the goodput planner on, what users get; with
+  `--draft-model`, `draft` too (the draft model alone). The look-ahead rows the planner let the pool add are
+  reported per call.
 - planner-off (`--planner-off-limit`): `ngram` and `spectra` with every guess verified and every pool chain carried
-  each step, the paper's setting, for its tokens per call (a step then carries ~60 look-ahead rows: slow here).
+  each step, the paper's setting, for its tokens per call (a step then carries ~60 look-ahead rows: slow here);
+  with `--draft-model`, `draft` drafting `--num-draft-tokens` every step.
 - ablation (`--grid-limit`, the paper's Table 2): `spectra` with the planner on, whole and without each component:
   drafting without the forward dictionary, without the backward one, without retrieval (both indexes), and with a
   corpus index that holds every sample unfiltered (the calibration prompts' answers and the code, unscored) in
@@ -43,6 +45,7 @@ from engine.calibration.corpus import corpus_samples
 from engine.calibration.options import CalibrationOptions
 from engine.drafter_context import model_cache_dir
 from engine.engine import Engine
+from engine.model.draft_model import MODEL_DRAFTERS
 
 ABLATED = ("forward", "backward", "retrieval", "filter")  # Variant.without: what the ablation takes away
 
@@ -67,8 +70,16 @@ ABLATION = (Variant("none"), Variant("spectra"), *(Variant("spectra", without=pa
 AGENTIC = (Variant("none"), Variant("copyspec"), Variant("spectra-core"), Variant("spectra"))
 
 
+def with_draft_variants(variants: tuple[Variant, ...], config) -> tuple[Variant, ...]:
+    """VARIANTS, and `draft` with the same planner setting as the last of them when a draft model is given."""
+    if not config.model.draft_model:
+        return variants
+    return (*variants, Variant("draft", planner=variants[-1].planner))
+
+
 def make_runner(variant: Variant, config, temperature: float, unfiltered: SuffixIndex | None = None) -> EngineRunner:
-    config = replace(config.with_drafter(variant.drafter),
+    draft = config.model.draft_model if variant.drafter in MODEL_DRAFTERS else None
+    config = replace(config.with_drafter(variant.drafter), model=replace(config.model, draft_model=draft),
                      scheduler=replace(config.scheduler, use_goodput_planner=variant.planner))
     runner = EngineRunner(Engine(config), temperature)
     ablate(runner.engine.speculation.drafter, variant.without, unfiltered)
@@ -226,7 +237,8 @@ def run_question_phases(args, config, tokenizer, setup: dict, out_dir: Path) -> 
                          "corpus` first (or --grid-limit 0)")
     unfiltered = unfiltered_corpus(none, tokenizer) if limits["ablation"] else None
     rows: list[dict] = []
-    for phase, variants in (("headline", HEADLINE), ("planner-off", PLANNER_OFF), ("ablation", ABLATION)):
+    for phase, variants in (("headline", with_draft_variants(HEADLINE, config)),
+                            ("planner-off", with_draft_variants(PLANNER_OFF, config)), ("ablation", ABLATION)):
         if not limits[phase]:
             continue
         runners = {Variant("none"): none}

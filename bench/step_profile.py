@@ -6,7 +6,9 @@ as a long first answer, and its second turn) are prefilled; then each measured s
 timed with torch's profiler and sorted into matmuls, attention, the other tensor operators, whole decoder layers run as
 one C++ call, and what is left of the forward's wall time: Python, transformers' module calls and PyTorch's dispatch.
 A verify step carries 15 drafted tokens per request (the planner off, every one verified); its drafts copy the
-request's own prompt. Each figure is the median over the repeats.
+request's own prompt. With `--draft-model`, a third kind of step: the draft model drafts MODEL_DRAFT_TOKENS tokens for
+every request (the planner off), and its drafting time per drafted token is set beside a decode step's time. Each
+figure is the median over the repeats.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from engine.wire import EngineOutputs, EngineRequest, SamplingParams
 
 REPEATS = 7
 DRAFT_LEN = 15  # drafted tokens per request in a verify step: 16 tokens with the last real one
+MODEL_DRAFT_TOKENS = 5  # tokens the draft model drafts per request in a drafting step
 CONTEXT_LEN = 512  # tokens of each request's context when it is measured
 PHASES = ("schedule", "forward", "verify", "update", "draft", "wire")
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
@@ -107,8 +110,9 @@ def operator_times(profiler) -> dict[str, float]:
     return by_category
 
 
-def profile_case(config, prompts: list[list[int]], verify: bool) -> dict:
-    config = replace(config, spec=replace(config.spec, drafter="copyspec" if verify else "none"))
+def profile_case(config, prompts: list[list[int]], verify: bool, model_draft: bool = False) -> dict:
+    drafter = "draft" if model_draft else "copyspec" if verify else "none"
+    config = replace(config, spec=replace(config.spec, drafter=drafter, num_draft_tokens=MODEL_DRAFT_TOKENS))
     engine = prefilled_engine(config, prompts)
     weights = engine.weights
     if verify:
@@ -121,8 +125,8 @@ def profile_case(config, prompts: list[list[int]], verify: bool) -> dict:
     phases = {p: round(statistics.median(s[0][p] for s in plain), 2) for p in PHASES}
     operators = {c: round(statistics.median(s[1][c] for s in profiled), 2) for c in profiled[0][1]}
     operators["python, modules, dispatch"] = round(max(phases["forward"] - sum(operators.values()), 0.0), 2)
-    return {"batch": len(prompts), "step": "verify 16" if verify else "decode", "tokens": plain[0][2],
-            "weights": weights,
+    step = f"draft {MODEL_DRAFT_TOKENS}" if model_draft else "verify 16" if verify else "decode"
+    return {"batch": len(prompts), "step": step, "tokens": plain[0][2], "weights": weights,
             "step_ms": round(sum(phases.values()), 2), "phases_ms": phases, "forward_ms": operators}
 
 
@@ -132,6 +136,8 @@ def run_step_profile(args, config, tokenizer, out_dir: Path) -> dict:
     base = config.with_drafter("copyspec")
     config = replace(base, scheduler=replace(base.scheduler, use_goodput_planner=False, max_num_batched_tokens=4096))
     rows = [profile_case(config, prompts[:batch], verify) for batch in (1, 16) for verify in (False, True)]
+    if config.model.draft_model:
+        rows += [profile_case(config, prompts[:batch], False, model_draft=True) for batch in (1, 16)]
     results = {"benchmark": "step-profile", "command": "specserve " + shlex.join(sys.argv[1:]),
                "weights": rows[0]["weights"], "threads": torch.get_num_threads(), "rows": rows}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -163,4 +169,10 @@ def markdown(results: dict) -> str:
         values = [*row["phases_ms"].values(), *row["forward_ms"].values()]
         lines.append(f"| {row['batch']} | {row['step']} | {row['tokens']} | {row['step_ms']:.1f} | "
                      + " | ".join(f"{v:.1f}" for v in values) + " |")
+    decode = {row["batch"]: row["step_ms"] for row in results["rows"] if row["step"] == "decode"}
+    for row in results["rows"]:
+        if row["step"].startswith("draft"):
+            per_token = row["phases_ms"]["draft"] / MODEL_DRAFT_TOKENS
+            lines += ["", f"Draft model at batch {row['batch']}: {per_token:.2f} ms per drafted token, "
+                          f"{per_token / decode[row['batch']]:.1%} of a decode step ({decode[row['batch']]:.1f} ms)."]
     return "\n".join(lines) + "\n"

@@ -21,6 +21,7 @@ from engine.model.draft_model import (
     draft_pool,
     load_draft_model,
     reserve_nothing,
+    shipped_head,
 )
 from engine.model.eagle3 import Eagle3Head
 from engine.model.forward import ForwardBatch, ForwardOutput, RowChoice
@@ -53,7 +54,8 @@ class Engine:
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = loaded.model.config.vocab_size
         backend = resolve_attention_backend(config.cache.attention_backend, loaded.device)
-        draft = load_draft_model(config.model.draft_model, loaded, config.model) if config.model.draft_model else None
+        draft_spec = config.model.draft_model or shipped_head(loaded.source.name, config.spec.drafter)
+        draft = load_draft_model(draft_spec, loaded, config.model) if draft_spec else None
         companion = _load_companion(config.model, loaded)
         extra_bytes = sum(model.kv_bytes_per_position for model in (draft, companion) if model)
         pool, blocks = _allocate_kv_pool(loaded, config.cache, backend, extra_bytes)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -36,6 +37,8 @@ from engine.sampler import target_probs
 from scheduler.kv_blocks import KVBlockManager
 
 EARLY_EXIT = "early-exit:"
+SHIPPED_HEADS = Path(__file__).parent / "heads"  # a folder per model name: the EAGLE-3 head trained for it
+MODEL_DRAFTERS = ("draft", "copyspec+draft")  # the drafters that draft with a draft model
 
 
 @dataclass
@@ -52,6 +55,13 @@ class DraftModel:
         if self.shares_target_kv:
             return 0
         return PagedKVPool.bytes_per_slot(*kv_shape(self.model.config), next(self.model.parameters()).dtype)
+
+
+def shipped_head(model_name: str, drafter: str) -> str | None:
+    """The head shipped for the model named MODEL_NAME (the embedded default has one), where DRAFTER drafts with a
+    model and no --draft-model names one: `--drafter draft` then works without training anything."""
+    path = SHIPPED_HEADS / model_name
+    return str(path) if drafter in MODEL_DRAFTERS and is_eagle3_head(path) else None
 
 
 def load_draft_model(spec: str, target: LoadedModel, config: ModelConfig, role: str = "draft") -> DraftModel:

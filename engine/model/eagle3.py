@@ -218,13 +218,16 @@ def load_eagle3_head(path: str | Path, embed: nn.Module, dtype: torch.dtype, dev
     return head.to(device=device, dtype=dtype).eval()
 
 
-def save_eagle3_head(head: Eagle3Head, path: str | Path, target_vocab_size: int) -> None:
-    """Write HEAD to folder PATH in the public layout (no `embed_tokens`: readers take the target's)."""
+def save_eagle3_head(
+    head: Eagle3Head, path: str | Path, target_vocab_size: int, dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """Write HEAD to folder PATH in the public layout (no `embed_tokens`: readers take the target's), its weights in
+    DTYPE (bfloat16, as public heads ship: half of float32's bytes)."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {_file_name(name): tensor.detach().contiguous().cpu() for name, tensor in head.state_dict().items()
+    tensors = {_file_name(name): _stored(tensor, dtype) for name, tensor in head.state_dict().items()
                if not name.startswith("model.rotary_emb")}
     t2d = torch.zeros(target_vocab_size, dtype=torch.bool)
     t2d[head.target_ids.cpu()] = True
@@ -235,6 +238,11 @@ def save_eagle3_head(head: Eagle3Head, path: str | Path, target_vocab_size: int)
     for key in ("transformers_version", "_name_or_path"):
         values.pop(key, None)
     (path / "config.json").write_text(json.dumps(values, indent=1, sort_keys=True))
+
+
+def _stored(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    tensor = tensor.detach().cpu()
+    return (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
 
 
 def _module_name(file_name: str) -> str:

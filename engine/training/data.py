@@ -60,8 +60,11 @@ def answered_prompts(
     params = [SamplingParams(temperature=0.0, max_tokens=max_tokens) if i % 2 == 0 else
               SamplingParams(temperature=SAMPLED_TEMPERATURE, max_tokens=max_tokens, seed=seed * 100_003 + i)
               for i in range(len(prompts))]
-    replies = [reply for start in range(0, len(prompts), ANSWER_BATCH)
-               for reply in answers(engine, prompts[start:start + ANSWER_BATCH], params[start:start + ANSWER_BATCH])]
+    replies = []
+    for start in range(0, len(prompts), ANSWER_BATCH):
+        logger.info("train-draft: answering prompts %d-%d of %d", start + 1,
+                    min(start + ANSWER_BATCH, len(prompts)), len(prompts))
+        replies += answers(engine, prompts[start:start + ANSWER_BATCH], params[start:start + ANSWER_BATCH])
     answered = zip(prompts, replies, params)
     return [(prompt, answer, p.greedy) for prompt, answer, p in answered if len(answer) > 1]
 

@@ -40,7 +40,7 @@ VALIDATION_EVERY = 10  # every tenth answer is held out for validation
 @dataclass(frozen=True)
 class TrainOptions:
     out: Path  # the head's folder
-    num_prompts: int = 1200  # training prompts answered (engine/training/prompts.py)
+    num_prompts: int = 1000  # training prompts answered (engine/training/prompts.py)
     max_new_tokens: int = 256  # tokens of each answer
     draft_vocab: int = 6144  # draft vocabulary: the answer tokens seen most often
     intermediate_size: int = 1024  # the head's MLP width
