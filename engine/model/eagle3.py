@@ -235,6 +235,9 @@ def save_eagle3_head(
     save_file(tensors, str(path / WEIGHTS_FILE))
     values = head.config.to_dict()
     values.update(architectures=[HEAD_ARCHITECTURE], model_type="llama", num_hidden_layers=1)
+    theta = (values.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None:
+        values["rope_theta"] = theta  # where vLLM and SGLang read it
     for key in ("transformers_version", "_name_or_path"):
         values.pop(key, None)
     (path / "config.json").write_text(json.dumps(values, indent=1, sort_keys=True))

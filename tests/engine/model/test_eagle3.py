@@ -115,7 +115,7 @@ def test_a_head_is_not_a_companion(tiny_model_dir, tiny_head_dir, tiny_draft_mod
 def test_a_written_head_keeps_the_public_layout(tiny_head_dir, tmp_path):
     embed = torch.nn.Embedding(TINY_VOCAB, 32)
     head = load_eagle3_head(tiny_head_dir, embed, torch.float32, torch.device("cpu"))
-    save_eagle3_head(head, tmp_path, TINY_VOCAB)
+    save_eagle3_head(head, tmp_path, TINY_VOCAB, dtype=torch.float32)
     original, written = load_file(f"{tiny_head_dir}/{WEIGHTS_FILE}"), load_file(str(tmp_path / WEIGHTS_FILE))
     assert sorted(written) == sorted(original)
     assert all(torch.equal(written[name], original[name]) for name in original)
@@ -146,3 +146,21 @@ def test_a_head_keeps_its_weights_as_the_target_does_and_output_stays_the_target
         ref, out = reference[f"req-{i}"].new_token_ids, outputs[f"req-{i}"].new_token_ids
         assert divergence_verdict(plain.runner.model, prompt, ref, out) != "mismatch", i
     assert sum(o.spec.num_draft_tokens for o in outputs.values()) > 0
+
+
+def test_heads_are_written_in_bfloat16_by_default(tiny_head_dir, tmp_path):
+    head = load_eagle3_head(tiny_head_dir, torch.nn.Embedding(TINY_VOCAB, 32), torch.float32, torch.device("cpu"))
+    save_eagle3_head(head, tmp_path, TINY_VOCAB)
+    written = load_file(str(tmp_path / WEIGHTS_FILE))
+    assert written["fc.weight"].dtype == torch.bfloat16 and written["d2t"].dtype == torch.int64
+    assert written["t2d"].sum() == len(written["d2t"])
+
+
+def test_the_embedded_model_ships_a_head_that_draft_drafters_use_by_default():
+    from engine.model.draft_model import SHIPPED_HEADS, shipped_head
+    from engine.model.model_source import DEFAULT_MODEL_NAME
+
+    path = shipped_head(DEFAULT_MODEL_NAME, "draft")
+    assert path == str(SHIPPED_HEADS / DEFAULT_MODEL_NAME) and shipped_head(DEFAULT_MODEL_NAME, "copyspec+draft")
+    assert shipped_head(DEFAULT_MODEL_NAME, "copyspec") is None and shipped_head("another-model", "draft") is None
+    assert sum(f.stat().st_size for f in SHIPPED_HEADS.joinpath(DEFAULT_MODEL_NAME).iterdir()) <= 16 * 2**20
