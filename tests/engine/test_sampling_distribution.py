@@ -92,23 +92,25 @@ def test_speculative_sampling_matches_plain_sampling(tiny_model_dir, params, tre
     assert_same_distribution(plain, speculative)
 
 
+def sampling_engine(model_dir: str, drafter: str, draft_model: str | None = None) -> Engine:
+    """The tiny model sampling NUM_SAMPLES requests at once, drafting 2 tokens every step (planner off)."""
+    return Engine(EngineConfig(
+        model=ModelConfig(model=model_dir, device="cpu", draft_model=draft_model),
+        cache=CacheConfig(0.05),  # a small pool for this tiny model
+        scheduler=SchedulerConfig(
+            max_num_seqs=NUM_SAMPLES, max_num_batched_tokens=32 * NUM_SAMPLES, max_waiting=NUM_SAMPLES,
+            use_goodput_planner=False,
+        ),
+        spec=SpecConfig(drafter=drafter, num_draft_tokens=2),
+    ))
+
+
 @pytest.mark.slow
 def test_sampling_with_a_draft_model_matches_plain_sampling(tiny_model_dir):
     """Drafts sampled from an early exit of the target, verified by min(1, p/q) and the residual (p - q)+."""
-    def engine(drafter, draft_model=None):
-        return Engine(EngineConfig(
-            model=ModelConfig(model=tiny_model_dir, device="cpu", draft_model=draft_model),
-            cache=CacheConfig(0.05),  # the pool is zeroed at start-up: a small one for this tiny model
-            scheduler=SchedulerConfig(
-                max_num_seqs=NUM_SAMPLES, max_num_batched_tokens=32 * NUM_SAMPLES, max_waiting=NUM_SAMPLES,
-                use_goodput_planner=False,
-            ),
-            spec=SpecConfig(drafter=drafter, num_draft_tokens=2),
-        ))
-
     params = SamplingParams(temperature=0.8, top_k=10, max_tokens=3, ignore_eos=True)
-    plain, _ = sample_pairs(engine("none"), params)
-    speculative, num_accepted = sample_pairs(engine("draft", "early-exit:1"), params)
+    plain, _ = sample_pairs(sampling_engine(tiny_model_dir, "none"), params)
+    speculative, num_accepted = sample_pairs(sampling_engine(tiny_model_dir, "draft", "early-exit:1"), params)
     assert 20 <= num_accepted < 2 * NUM_SAMPLES  # accepted and rejected drafts both ran
     assert_same_distribution(plain, speculative)
 
@@ -117,20 +119,9 @@ def test_sampling_with_a_draft_model_matches_plain_sampling(tiny_model_dir):
 def test_sampling_with_a_head_matches_plain_sampling(tiny_model_dir, tiny_head_dir):
     """Drafts sampled from an EAGLE-3 head over half the vocabulary (conftest's tiny_head_dir): q is 0 on every odd
     token id, which the residual (p - q)+ must then give exactly its probability under p."""
-    def engine(drafter, draft_model=None):
-        return Engine(EngineConfig(
-            model=ModelConfig(model=tiny_model_dir, device="cpu", draft_model=draft_model),
-            cache=CacheConfig(0.05),
-            scheduler=SchedulerConfig(
-                max_num_seqs=NUM_SAMPLES, max_num_batched_tokens=32 * NUM_SAMPLES, max_waiting=NUM_SAMPLES,
-                use_goodput_planner=False,
-            ),
-            spec=SpecConfig(drafter=drafter, num_draft_tokens=2),
-        ))
-
     params = SamplingParams(temperature=0.8, top_k=10, max_tokens=3, ignore_eos=True)
-    plain, _ = sample_pairs(engine("none"), params)
-    speculative, num_accepted = sample_pairs(engine("draft", tiny_head_dir), params)
+    plain, _ = sample_pairs(sampling_engine(tiny_model_dir, "none"), params)
+    speculative, num_accepted = sample_pairs(sampling_engine(tiny_model_dir, "draft", tiny_head_dir), params)
     assert 20 <= num_accepted < 2 * NUM_SAMPLES  # accepted and rejected drafts both ran
     assert sum(count for (second, third), count in plain.items() if second % 2 or third % 2) > NUM_SAMPLES // 4
     assert_same_distribution(plain, speculative)

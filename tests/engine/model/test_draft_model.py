@@ -25,6 +25,16 @@ def draft_engine(model_dir, draft_model, drafter="draft", planner=False, **cache
     ))
 
 
+def assert_greedy_outputs_equal(plain: Engine, engine: Engine, batch: list[list[int]], max_tokens: int) -> dict:
+    """ENGINE's greedy outputs for BATCH equal PLAIN's (near-tie rule); returns ENGINE's outputs."""
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)] * len(batch)
+    reference, outputs = run_to_completion(plain, batch, params), run_to_completion(engine, batch, params)
+    for i, prompt in enumerate(batch):
+        ref, out = reference[f"req-{i}"].new_token_ids, outputs[f"req-{i}"].new_token_ids
+        assert divergence_verdict(plain.runner.model, prompt, ref, out) != "mismatch", i
+    return outputs
+
+
 @pytest.fixture(scope="module")
 def plain(tiny_model_dir):
     return Engine(EngineConfig(
@@ -39,13 +49,7 @@ def test_greedy_output_with_a_draft_model_equals_plain_decoding(
     plain, tiny_model_dir, tiny_draft_model_dir, draft, drafter, planner
 ):
     engine = draft_engine(tiny_model_dir, tiny_draft_model_dir if draft == "separate" else draft, drafter, planner)
-    batch = prompts(6, seed=3)
-    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * len(batch)
-    reference = run_to_completion(plain, batch, params)
-    outputs = run_to_completion(engine, batch, params)
-    for i, prompt in enumerate(batch):
-        ref, out = reference[f"req-{i}"].new_token_ids, outputs[f"req-{i}"].new_token_ids
-        assert divergence_verdict(plain.runner.model, prompt, ref, out) != "mismatch", i
+    outputs = assert_greedy_outputs_equal(plain, engine, prompts(6, seed=3), max_tokens=40)
     drafted = sum(o.spec.num_draft_tokens for o in outputs.values())
     assert drafted > 0, "the draft model must have drafted"
     if not planner and draft == "early-exit:1":  # the early exit shares the target's embedding and head: it hits

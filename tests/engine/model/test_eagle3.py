@@ -6,7 +6,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bench.exactness import divergence_verdict
 from drafters.config import SpecConfig
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
@@ -22,7 +21,7 @@ from engine.wire import SamplingParams
 from scheduler.config import SchedulerConfig, SessionConfig
 from tests.conftest import TINY_VOCAB
 from tests.engine.helpers import run_to_completion
-from tests.engine.model.test_draft_model import SMALL_POOL, draft_engine
+from tests.engine.model.test_draft_model import SMALL_POOL, assert_greedy_outputs_equal, draft_engine
 from tests.engine.test_engine import prompts
 
 
@@ -38,13 +37,7 @@ def plain(tiny_model_dir):
 def test_greedy_output_with_a_head_equals_plain_decoding(plain, tiny_model_dir, tiny_head_dir, drafter, planner):
     engine = draft_engine(tiny_model_dir, tiny_head_dir, drafter, planner)
     assert engine.speculation.captures.hidden_layers == (1, 1, 2)  # the target keeps the states the head reads
-    batch = prompts(6, seed=5)
-    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * len(batch)
-    reference = run_to_completion(plain, batch, params)
-    outputs = run_to_completion(engine, batch, params)
-    for i, prompt in enumerate(batch):
-        ref, out = reference[f"req-{i}"].new_token_ids, outputs[f"req-{i}"].new_token_ids
-        assert divergence_verdict(plain.runner.model, prompt, ref, out) != "mismatch", i
+    outputs = assert_greedy_outputs_equal(plain, engine, prompts(6, seed=5), max_tokens=40)
     assert sum(o.spec.num_draft_tokens for o in outputs.values()) > 0, "the head must have drafted"
 
 
@@ -139,12 +132,7 @@ def test_a_head_keeps_its_weights_as_the_target_does_and_output_stays_the_target
     plain, drafting = engine("none"), engine("draft", tiny_head_dir)
     head = drafting.speculation.drafter.forward.model
     assert not any(isinstance(m, torch.nn.Linear) for m in head.modules())  # every Linear in the target's form
-    batch = prompts(4, seed=6)
-    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * len(batch)
-    reference, outputs = run_to_completion(plain, batch, params), run_to_completion(drafting, batch, params)
-    for i, prompt in enumerate(batch):
-        ref, out = reference[f"req-{i}"].new_token_ids, outputs[f"req-{i}"].new_token_ids
-        assert divergence_verdict(plain.runner.model, prompt, ref, out) != "mismatch", i
+    outputs = assert_greedy_outputs_equal(plain, drafting, prompts(4, seed=6), max_tokens=30)
     assert sum(o.spec.num_draft_tokens for o in outputs.values()) > 0
 
 
