@@ -2,10 +2,11 @@
 
 A head drafts as a draft model does (drafters/model_draft.py: the scheduler's budget per request, one packed forward
 per drafted position, q kept for the verifier) but each token it reads comes with a state: for the request's real
-tokens the target's own hidden states at the three layers the head names, captured in the target's forward, fused
-(`observe`); for a drafted token the head's own output at the position before. Its entry for the token at position p
-reads the state at p - 1, so each round first computes the real tokens the head has not yet read with the target's
-states (the tokens accepted last step, or a whole prompt), whose last output drafts the first token.
+tokens the target's own hidden states at the three layers the head names, captured in the target's forward (`observe`)
+and fused by the head only when it reads them (a head the planner keeps off costs no fusing); for a drafted token the
+head's own output at the position before. Its entry for the token at position p reads the state at p - 1, so each
+round first computes the real tokens the head has not yet read with the target's states (the tokens accepted last
+step, or a whole prompt), whose last output drafts the first token.
 
 Drafted tokens' entries read the head's states, not the target's: when the target accepts them, the next round
 computes them again with the target's (as vLLM does), so the head's KV only ever holds real tokens read with the
@@ -30,23 +31,23 @@ class HeadKV:
     num_valid: int = 0  # positions whose head KV holds the request's real tokens read with the target's states
     token_ids: list[int] = field(default_factory=list)  # those tokens, when a turn ends (what a next turn shares)
     states_start: int = 0  # position of states[0]
-    states: torch.Tensor | None = None  # [n, hidden] fused target states of positions states_start.. not yet read
+    states: torch.Tensor | None = None  # [n, 3 * hidden] target states of positions states_start.. not yet read
 
     @property
     def num_bytes(self) -> int:
         return 0 if self.states is None else self.states.numel() * self.states.element_size()
 
-    def add_states(self, start: int, fused: torch.Tensor) -> None:
-        """The target's fused states of positions START.. (a step's or a chunk's, in order)."""
+    def add_states(self, start: int, states: torch.Tensor) -> None:
+        """The target's states of positions START.. (a step's or a chunk's, in order)."""
         if self.states is None or start != self.states_start + len(self.states):
-            self.states_start, self.states = start, fused
+            self.states_start, self.states = start, states
         else:
-            self.states = torch.cat([self.states, fused])
+            self.states = torch.cat([self.states, states])
 
-    def read_by(self, start: int, end: int, hidden_size: int) -> torch.Tensor:
-        """[end - start, hidden] the states the entries of positions START..END-1 read: each the state at p - 1,
+    def read_by(self, start: int, end: int, width: int) -> torch.Tensor:
+        """[end - start, width] the states the entries of positions START..END-1 read: each the state at p - 1,
         zeros where none is kept."""
-        out = torch.zeros(end - start, hidden_size)
+        out = torch.zeros(end - start, width)
         if self.states is not None:
             first = max(start - 1, self.states_start)  # positions of the states read, first..last-1
             last = min(end - 1, self.states_start + len(self.states))
@@ -83,7 +84,7 @@ class HeadDrafter(ModelDrafter):
 
     def observe(self, req: DraftableRequest, computed: Computed) -> None:
         if computed.hidden_states is not None and len(computed.token_ids):
-            self._kv[req.request_id].add_states(computed.start, self.forward.fuse(computed.hidden_states))
+            self._kv[req.request_id].add_states(computed.start, computed.hidden_states)
 
     def extend(self, req: DraftableRequest, new_token_ids: Sequence[int]) -> None:
         """Drafted entries are never kept (the next round reads the accepted tokens with the target's states)."""
@@ -106,11 +107,12 @@ class HeadDrafter(ModelDrafter):
     def _draft(
         self, drafting: list[DraftableRequest], budgets: dict[str, int],
     ) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
-        """The first forward reads each request's unread real tokens with the target's states; each next one a
-        drafted token with the head's output before it."""
+        """The first forward reads each request's unread real tokens with the target's states (fused in one call for
+        the whole round); each next one a drafted token with the head's output before it."""
         drafted: dict[str, list[int]] = {req.request_id: [] for req in drafting}
         probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req in drafting}
-        chains, features = zip(*map(self._catch_up, drafting)) if drafting else ((), ())
+        chains, states = zip(*map(self._catch_up, drafting)) if drafting else ((), ())
+        features = self.forward.fuse(torch.cat(states)).split([len(s) for s in states]) if states else ()
         while chains:
             logits, outputs = self.forward.run(list(chains), list(features))
             chains, features = [], []
@@ -124,12 +126,12 @@ class HeadDrafter(ModelDrafter):
         return drafted, probs
 
     def _catch_up(self, req: DraftableRequest) -> tuple[tuple[str, list[int], int], torch.Tensor]:
-        """The chain of the request's tokens the head has not read, and the states they read."""
+        """The chain of the request's tokens the head has not read, and the target's states they read (unfused)."""
         kv, end = self._kv[req.request_id], len(req.all_token_ids)
         start = min(kv.num_valid, end - 1)
         chain = (req.request_id, list(req.all_token_ids[start:end]), start)
-        features = kv.read_by(start, end, self.forward.hidden_size)
+        states = kv.read_by(start, end, self.forward.state_size)
         kv.num_valid = end
         kv.keep_from(end - 1)
-        return chain, features
+        return chain, states
 

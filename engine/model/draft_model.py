@@ -201,6 +201,7 @@ class HeadForward(DraftForward):
         head: Eagle3Head = draft.model
         self.target_layers = aux_layers(head.config, target_config.num_hidden_layers)
         self.hidden_size = head.config.hidden_size
+        self.state_size = 3 * target_config.hidden_size  # the target's states a head entry reads, concatenated
         self.vocab_size = target_config.vocab_size
         self.target_ids = head.target_ids.cpu()
 

@@ -17,7 +17,7 @@ def test_each_position_reads_the_state_before_it_and_zeros_where_none_is_kept():
     kv = HeadKV()
     kv.add_states(3, states(3, 5))
     kv.add_states(5, states(5, 6))  # contiguous: appended
-    read = kv.read_by(2, 8, hidden_size=2)[:, 0].tolist()
+    read = kv.read_by(2, 8, width=2)[:, 0].tolist()
     assert read == [0.0, 0.0, 3.0, 4.0, 5.0, 0.0]  # positions 2..7 read the states at 1..6: 3, 4 and 5 are kept
 
 
@@ -37,6 +37,7 @@ class Forward:
     shares_target_kv = False
     is_head = True
     hidden_size = 2
+    state_size = 6
     captures = CaptureSpec(hidden_layers=(1, 1, 2))
 
 
