@@ -29,6 +29,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from engine.model.decoder import rms_norm, rotate
 from engine.model.paged_attention import PackedBatch, paged_attention
 
 HEAD_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -64,12 +65,6 @@ def aux_layers(config: Eagle3Config, target_num_layers: int) -> tuple[int, ...]:
     if len(layers) != 3 or not all(1 <= layer <= target_num_layers for layer in layers):
         raise ValueError(f"an EAGLE-3 head reads three target layers in [1, {target_num_layers}], not {layers}")
     return layers
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of X [total, heads, head_dim] by COS, SIN [total, 1, head_dim] (halves rotated)."""
-    first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-second, first), dim=-1) * sin
 
 
 class HeadAttention(nn.Module):
@@ -113,7 +108,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class HeadLayer(nn.Module):

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.model.eagle3 import Eagle3Head, rotate
+from engine.model.decoder import rotate
+from engine.model.eagle3 import Eagle3Head
 from engine.training.data import Sample
 
 TTT_STEPS = 4
