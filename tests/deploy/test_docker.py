@@ -1,6 +1,7 @@
 """The Dockerfiles pass hadolint; each image runs docker/entrypoint.sh, which starts the same `specserve serve`
 command line the tests start (bench/server_process.py), with flags from SPECSERVE_* variables; compose wires
-the three services together. Images are not built here (no registry for base images)."""
+the services together, in files that follow the compose specification. Images are not built here (no registry for
+base images)."""
 from __future__ import annotations
 
 import json
@@ -75,6 +76,26 @@ def instructions(dockerfile) -> list[tuple[str, str]]:
         "\n".join(line for line in dockerfile.read_text().splitlines() if not line.lstrip().startswith("#")),
     )
     return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in text.splitlines() if line.strip()]
+
+
+def compose_spec_findings(path) -> subprocess.CompletedProcess:
+    return subprocess.run([venv_tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(path)],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("compose", [COMPOSE, COMPOSE_REPLICAS], ids=lambda path: path.name)
+def test_compose_file_follows_the_compose_specification(compose):
+    """Docker Compose itself is not installed here: the file is checked against the specification's schema."""
+    checked = compose_spec_findings(compose)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_compose_check_finds_a_broken_file(tmp_path):
+    broken = yaml.safe_load(COMPOSE_REPLICAS.read_text())
+    broken["services"]["router"]["restart_policy"] = "always"  # not a service key (it belongs under deploy:)
+    path = tmp_path / "compose.yaml"
+    path.write_text(yaml.safe_dump(broken))
+    assert compose_spec_findings(path).returncode != 0
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -160,8 +181,8 @@ def test_the_replicas_compose_puts_the_router_in_front_of_every_replica_and_prom
     replicas = sorted(name for name in services if name.startswith("replica-"))
     assert len(replicas) == 3
     router = services["router"]
-    assert router["entrypoint"] == ["vllm-router"] and "127.0.0.1:8000:8000" in router["ports"]
-    assert router["image"] == services[replicas[0]]["image"]  # the image brings vllm-router (the router extra)
+    assert router["entrypoint"] == ["smg", "launch"] and "127.0.0.1:8000:8000" in router["ports"]
+    assert router["image"] == services[replicas[0]]["image"]  # the image brings smg (the router extra)
     assert all("ports" not in services[name] for name in replicas)  # reached through the router only
     workers = router["command"][router["command"].index("--worker-urls") + 1:]
     assert workers == [f"http://{name}:8000" for name in replicas]
