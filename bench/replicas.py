@@ -1,4 +1,4 @@
-"""`specserve bench replicas`: specserve replicas behind vLLM's router on loopback, as docs/deployment.md deploys them.
+"""`specserve bench replicas`: specserve replicas behind SGLang's model gateway on loopback, as deployed.
 
 Four runs, servers started one at a time:
 1. **one replica** serves C concurrent three-turn conversations (MT-Redundant turns 1 and 2, then THIRD_TURN), half
@@ -41,24 +41,29 @@ RETRY_DELAY_S = 0.5
 REQUEST_TIMEOUT = httpx.Timeout(600.0, connect=10.0, read=120.0)  # a stream silent for 2 minutes is a hang
 POLL_S = 0.1  # how often the router's worker list is read after a kill or a restart
 WINDOW_S = 10.0  # the failover's later turns are counted in windows of this many seconds after the kill
-# vllm-router, as docs/deployment.md, docker/compose.replicas.yaml and deploy/k8s/router.yaml run it: prefix-aware
-# placement by the replicas' own tokens (/tokenize), a request going where at least CACHE_THRESHOLD of its tokens are
-# cached (the router's default, 0.3, loses a second turn whose answer is long beside its first prompt: bench
-# routing-sim); health checked every second, one failure marks a replica unhealthy and one success healthy again;
-# the busiest replica runs at most BALANCE_ABS more requests than the least busy one, or BALANCE_REL times as many,
-# before placement falls back to the least loaded
-CACHE_THRESHOLD, BALANCE_ABS, BALANCE_REL = 0.1, 16, 1.5
+# SGLang's model gateway (smg), as docs/deployment.md, docker/compose.replicas.yaml and deploy/k8s/router.yaml run it:
+# a conversation naming its session (X-Session-ID) stays on the replica its first turn went to (the gateway's
+# routing-key table), and a new name goes to the replica holding the fewest names (min_group: placing names by
+# prefix instead piles conversations that share a system prompt onto one replica, and a named conversation cannot
+# leave it); one without a name goes where the longest prefix of its text is cached (cache_aware), if at least
+# CACHE_THRESHOLD of the request's text is (the gateway's default, 0.3, loses a second turn whose answer is long
+# beside its first prompt: bench routing-sim), else to the replica with the least cached text; a matched replica more
+# loaded than the fleet's mean by the gateway's spill gate (its defaults: 1.5 times the mean and a margin) passes the
+# request to the least loaded one. Health checked every second, one failure marks a replica unhealthy and one success
+# healthy again.
+CACHE_THRESHOLD = 0.1
+ROUTER_VERSION = "smg 1.13.0"
 ROUTER_FLAGS = ("--policy", "cache_aware", "--cache-threshold", str(CACHE_THRESHOLD),
-                "--balance-abs-threshold", str(BALANCE_ABS), "--balance-rel-threshold", str(BALANCE_REL),
+                "--routing-key-override", "--routing-key-headers", "x-session-id", "--assignment-mode", "min_group",
                 "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
-                "--health-success-threshold", "1")
+                "--health-success-threshold", "1", "--disable-tokenizer-autoload")
 
 
 @dataclass
 class Conversation:
     tag: str  # the run's name and the conversation's number: its system message, so every conversation differs
     turns: list[str]
-    session_id: str | None  # named conversations send it as X-Session-ID
+    session_id: str | None  # named conversations send it as X-Session-ID and as session_id (session_naming)
 
     @property
     def kind(self) -> str:
@@ -83,18 +88,24 @@ def conversations_for(questions: list[dict], count: int, run: str) -> list[Conve
                          f"{run}-{i}" if i % 2 == 0 else None) for i in range(count)]
 
 
+def session_naming(session_id: str | None) -> tuple[dict, dict]:
+    """The headers and body fields that name SESSION_ID behind the gateway: X-Session-ID places the conversation (the
+    gateway reads headers), session_id names it to the replica (the gateway forwards bodies but not that header)."""
+    return ({"X-Session-ID": session_id}, {"session_id": session_id}) if session_id else ({}, {})
+
+
 async def replay(client: httpx.AsyncClient, url: str, model: str, conversation: Conversation, max_tokens: int,
                  start: float, records: list[TurnRecord], progress: dict) -> None:
     """The conversation's turns in order, each retried on failure; the history is what the client received."""
     messages = [{"role": "system", "content": f"You are a helpful assistant. Conversation {conversation.tag}."}]
-    headers = {"X-Session-ID": conversation.session_id} if conversation.session_id else None
+    headers, name = session_naming(conversation.session_id)
     for turn, text in enumerate(conversation.turns, 1):
         messages.append({"role": "user", "content": text})
         record = TurnRecord(conversation.tag, conversation.kind, turn, time.monotonic() - start)
         records.append(record)
         for attempt in range(RETRIES + 1):
             try:
-                reply = await stream_chat(client, url, chat_body(model, messages, max_tokens), headers)
+                reply = await stream_chat(client, url, {**chat_body(model, messages, max_tokens), **name}, headers)
             except (httpx.HTTPError, RuntimeError) as error:
                 record.errors.append((round(time.monotonic() - start, 3), f"{type(error).__name__}: {error}"[:300]))
                 if attempt == RETRIES:
@@ -137,14 +148,17 @@ def counts_between(before: dict, after: dict) -> dict:
             "requests": after["requests"] - before["requests"]}
 
 
-def router_workers(router_url: str) -> dict[str, bool]:
-    return {w["url"]: w["is_healthy"] for w in httpx.get(router_url + "/workers", timeout=5).json()["workers"]}
+def router_workers(router_url: str, api_key: str | None = None) -> dict[str, bool]:
+    """The router's replicas and whether it counts each healthy (its /workers, behind its API key where it has one)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    return {w["url"]: w["is_healthy"]
+            for w in httpx.get(router_url + "/workers", headers=headers, timeout=5).json()["workers"]}
 
 
 def router_processed(metrics_url: str) -> dict[str, int]:
     families = text_string_to_metric_families(httpx.get(metrics_url, timeout=5).text)
     return {s.labels["worker"]: int(s.value) for f in families for s in f.samples
-            if s.name == "vllm_router_processed_requests_total"}
+            if s.name == "smg_worker_requests_total"}
 
 
 def hit_rates(deltas: list[dict]) -> dict[str, dict]:
@@ -197,11 +211,12 @@ def turn_summary(records: list[TurnRecord]) -> dict:
 
 
 # --- processes -------------------------------------------------------------------------------------------------------
-def router_binary() -> str:
-    found = shutil.which("vllm-router", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
+def router_command() -> list[str]:
+    """The gateway's launcher: `smg launch` from this interpreter's environment (the `router` extra) or PATH."""
+    found = shutil.which("smg", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
     if found is None:
-        raise SystemExit("no vllm-router: install it with `pip install -e '.[router]'` (make test installs it)")
-    return found
+        raise SystemExit("no smg: install it with `pip install -e '.[router]'` (make test installs it)")
+    return [found, "launch"]
 
 
 def start_replica(log_dir: Path, port: int, args, threads: int | None = None) -> RunningServer:
@@ -216,12 +231,27 @@ def threads_per_replica(args) -> int:
 
 
 def start_router(log_dir: Path, replicas: list[RunningServer], api_key: str | None = None) -> tuple[RunningServer, str]:
-    """The router on loopback in front of REPLICAS (API_KEY: what it sends them); returns it and its metrics URL."""
+    """The router on loopback in front of REPLICAS (API_KEY: what it asks of clients and sends the replicas), once it
+    routes to all of them; returns it and its metrics URL."""
     port, metrics_port = free_port(), free_port()
-    command = [router_binary(), "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+    command = [*router_command(), "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
                "--prometheus-port", str(metrics_port), "--worker-urls", *[r.base_url for r in replicas], *ROUTER_FLAGS,
                *(("--api-key", api_key) if api_key else ())]
-    return start_process(command, port, log_dir), f"http://127.0.0.1:{metrics_port}/metrics"
+    router = start_process(command, port, log_dir)
+    wait_until_routed(router.base_url, [r.base_url for r in replicas], api_key)
+    return router, f"http://127.0.0.1:{metrics_port}/metrics"
+
+
+def wait_until_routed(router_url: str, workers: list[str], api_key: str | None = None, limit_s: float = 120.0) -> None:
+    """Block until the router reports every one of WORKERS healthy: it listens before it has registered them (in the
+    background), and a request sent meanwhile is answered 404 (no worker serves the model)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        healthy = router_workers(router_url, api_key)
+        if all(healthy.get(worker) for worker in workers):
+            return
+        time.sleep(POLL_S)
+    raise TimeoutError(f"the router did not report {len(workers)} healthy workers in {limit_s} s")
 
 
 def kill_group(server: RunningServer) -> None:
@@ -327,7 +357,7 @@ def run_replicas(args, config, tokenizer, out_dir: Path) -> dict:
     questions = load_questions("mt-redundant", args.data_dir)
     results = {"benchmark": "replicas", "command": "specserve " + shlex.join(sys.argv[1:]),
                "replicas": args.replicas, "conversations": args.conversations, "max_new_tokens": args.max_new_tokens,
-               "router": {"binary": "vllm-router 0.1.17", "flags": list(ROUTER_FLAGS)}, "retries": RETRIES}
+               "router": {"binary": ROUTER_VERSION, "flags": list(ROUTER_FLAGS)}, "retries": RETRIES}
     routed_conversations = conversations_for(questions, args.conversations, "routed")
     results["single"] = run_single(args, routed_conversations, out_dir)
     threads = threads_per_replica(args)
@@ -367,7 +397,7 @@ def add_replicas_flags(parser) -> None:
 
 def markdown(results: dict) -> str:
     single, routed = results["single"], results["routed"]
-    lines = [f"# {results['replicas']} replicas behind vLLM's router: sessions, time to first token, failover", "",
+    lines = [f"# {results['replicas']} replicas behind SGLang's model gateway: sessions, first tokens, failover", "",
              f"Command: `{results['command']}`", "",
              f"{results['conversations']} concurrent conversations per run (MT-Redundant turns 1 and 2, then "
              f"\"{THIRD_TURN}\"), half naming a session (X-Session-ID), {results['max_new_tokens']} new tokens a "

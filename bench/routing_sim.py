@@ -1,24 +1,24 @@
 """`specserve bench routing-sim`: the router as deployed, in front of many simulated replicas, for many conversations.
 
-The real vllm-router (the flags of bench/replicas.py) routes; the replicas are simulated in this process (aiohttp,
-one port each): each answers /health, /v1/models, /tokenize (a word's token id is a hash of it, so a later turn's
-tokens start with the earlier turns', as real ones do) and chat completions, after a service time that grows with
-the requests it is running. A replica keeps the sessions of the conversations it served, least recently used first,
-up to --warm-sessions (docs/deployment.md derives that figure from bench replicas' measured memory per
-conversation); a later turn of a conversation is a hit where its replica holds it.
+The real gateway (smg, the flags of bench/replicas.py) routes; the replicas are simulated in this process (aiohttp,
+one port each): each answers /health, /v1/models and chat completions, after a service time that grows with the
+requests it is running. A replica keeps the sessions of the conversations it served, least recently used first, up
+to --warm-sessions (docs/deployment.md derives that figure from bench replicas' measured memory per conversation);
+a later turn of a conversation is a hit where its replica holds it.
 
 Conversations arrive as a Poisson process; each has 1 + Geometric(1 / (mean - 1)) turns (mean --mean-turns), with
-an exponential think time between them. Time runs faster than real time by --speedup (service, think and arrival
-times divided by it): what matters to the router is the order and overlap of requests, which the speedup keeps.
-Halfway through, --replace of the replicas are replaced: they start failing health checks (the router drops them)
-and as many new ones are added through the router's /add_worker. Reported per phase (before, during the
-replacement's aftermath, after): hit rate of later turns, the load imbalance (requests on the busiest replica over
-the mean), and how many conversations moved.
+an exponential think time between them; a share of them (--named-share) name their session (X-Session-ID and
+session_id), the rest are placed by their text alone. Time runs faster than real time by --speedup (service, think
+and arrival times divided by it): what matters to the router is the order and overlap of requests, which the
+speedup keeps.
+Halfway through, --replace of the replicas are replaced: they start failing health checks and requests (the router
+drops them) and as many new ones join through the gateway's POST /workers. Reported per phase (before, after the
+replacement) and per kind (named, unnamed): the hit rate of later turns, and the load imbalance (requests on the
+busiest replica over the mean).
 """
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import math
 import random
@@ -26,7 +26,6 @@ import shlex
 import statistics
 import sys
 import time
-import zlib
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,27 +33,15 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from bench.replicas import ROUTER_FLAGS, router_binary
+from bench.replicas import ROUTER_FLAGS, ROUTER_VERSION, router_command, wait_until_routed
 from bench.server_process import free_port, start_process, stop_server
 
-# words (one stand-in token each) of a simulated question and answer: a typical chat turn's lengths, the answer
-# several times the question, so a second turn's prompt is mostly new to the router
+# words of a simulated question and answer: a typical chat turn's lengths, the answer several times the question, so
+# a second turn's prompt is mostly new to the router
 QUESTION_WORDS, ANSWER_WORDS = 60, 250
 SERVICE_S = 0.5  # a replica's time to answer one request alone, in simulated seconds
 SERVICE_PER_RUNNING_S = 0.05  # and what each request it runs besides adds
-
-
-def token_ids(messages: list[dict]) -> list[int]:
-    """Stand-in tokens: one per word, a hash of the word; so a conversation's later turn starts with its earlier
-    turns' tokens and different conversations share only their common words' positions."""
-    return [token for m in messages for token in message_tokens(m["role"], m["content"])]
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def message_tokens(role: str, content: str) -> tuple[int, ...]:
-    """The router asks every replica for every request's tokens (one /tokenize per replica per request): the same
-    messages come back many times."""
-    return tuple(zlib.crc32(word.encode()) % 50_000 for word in f"{role}: {content}".split())
+NAMED, UNNAMED = "named", "unnamed"
 
 
 @dataclass
@@ -66,9 +53,9 @@ class Replica:
     served: int = 0
     sessions: OrderedDict = field(default_factory=OrderedDict)  # conversation -> None, least recently used first
 
-    def serve_turn(self, conversation: str, turn: int, counts: Counter, phase: str) -> None:
+    def serve_turn(self, conversation: str, kind: str, turn: int, counts: Counter, phase: str) -> None:
         if turn > 1:
-            counts[(phase, "hit" if conversation in self.sessions else "miss")] += 1
+            counts[(phase, kind, "hit" if conversation in self.sessions else "miss")] += 1
         self.sessions[conversation] = None
         self.sessions.move_to_end(conversation)
         while len(self.sessions) > self.warm_sessions:
@@ -82,13 +69,12 @@ class SimulatedReplicas:
     def __init__(self, warm_sessions: int, speedup: float) -> None:
         self.by_port: dict[int, Replica] = {}
         self.warm_sessions, self.speedup = warm_sessions, speedup
-        self.counts: Counter = Counter()  # (phase, hit / miss)
+        self.counts: Counter = Counter()  # (phase, kind, hit / miss)
         self.calls: Counter = Counter()  # requests the replicas answered, by kind
         self.phase = "before"
         self.app = web.Application()
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/v1/models", self.models)
-        self.app.router.add_post("/tokenize", self.tokenize)
         self.app.router.add_post("/v1/chat/completions", self.chat)
         self.runner = web.AppRunner(self.app, access_log=None)
 
@@ -110,11 +96,6 @@ class SimulatedReplicas:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "sim", "object": "model"}]})
 
-    async def tokenize(self, request: web.Request) -> web.Response:
-        self.calls["tokenize"] += 1
-        tokens = token_ids((await request.json())["messages"])
-        return web.json_response({"count": len(tokens), "max_model_len": 1 << 20, "tokens": tokens})
-
     async def chat(self, request: web.Request) -> web.Response:
         replica = self.replica(request)
         self.calls["chat"] += 1
@@ -122,25 +103,31 @@ class SimulatedReplicas:
             return web.json_response({"error": {"message": "replica gone"}}, status=503)
         body = await request.json()
         conversation = body["messages"][0]["content"]
+        kind = NAMED if body.get("session_id") else UNNAMED  # the gateway forwards the body, not X-Session-ID
         turn = sum(m["role"] == "user" for m in body["messages"])
         replica.running += 1
         try:
             await asyncio.sleep((SERVICE_S + SERVICE_PER_RUNNING_S * (replica.running - 1)) / self.speedup)
         finally:
             replica.running -= 1
-        replica.serve_turn(conversation, turn, self.counts, self.phase)
+        replica.serve_turn(conversation, kind, turn, self.counts, self.phase)
         answer = " ".join(f"w{random.randrange(5000)}" for _ in range(ANSWER_WORDS))
         return web.json_response({"object": "chat.completion", "model": "sim", "choices": [
             {"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}]})
 
 
-async def converse(session: aiohttp.ClientSession, url: str, index: int, turns: int, think_s: float,
+async def converse(session: aiohttp.ClientSession, url: str, index: int, turns: int, think_s: float, named: bool,
                    errors: Counter) -> None:
     messages = [{"role": "system", "content": f"conversation {index}"}]
+    # a named conversation sends its name twice, as specserve's clients behind the gateway do: X-Session-ID for the
+    # gateway's placement (it reads headers) and session_id for the replica (the gateway forwards bodies, not headers)
+    name = {"session_id": f"conversation-{index}"} if named else {}
+    headers = {"X-Session-ID": name["session_id"]} if named else {}
     for _ in range(turns):
         question = " ".join(f"q{random.randrange(5000)}" for _ in range(QUESTION_WORDS))
         messages.append({"role": "user", "content": question})
-        async with session.post(url + "/v1/chat/completions", json={"model": "sim", "messages": messages}) as reply:
+        async with session.post(url + "/v1/chat/completions", json={"model": "sim", "messages": messages, **name},
+                                headers=headers) as reply:
             if reply.status != 200:
                 errors[reply.status] += 1
                 return
@@ -171,7 +158,8 @@ async def simulate(args, router_url: str, replicas: SimulatedReplicas) -> dict:
 
     async def one(session, index):
         async with open_conversations:
-            await converse(session, router_url, index, turns_of(rng, args.mean_turns), args.think_s / speed, errors)
+            await converse(session, router_url, index, turns_of(rng, args.mean_turns), args.think_s / speed,
+                           rng.random() < args.named_share, errors)
 
     def snapshot(name: str) -> None:
         live = [r for r in replicas.by_port.values() if r.alive]
@@ -195,23 +183,29 @@ async def simulate(args, router_url: str, replicas: SimulatedReplicas) -> dict:
     seconds = time.monotonic() - start
     report = {}
     for name in ("before", "after the replacement"):
-        hits, misses = replicas.counts[(name, "hit")], replicas.counts[(name, "miss")]
-        report[name] = {"later_turns": hits + misses, "hit_rate": round(hits / (hits + misses), 4) if hits + misses
-                        else None, "load_imbalance_max_over_mean": imbalance(phases[name]["served"]),
-                        "requests_per_replica_min_max": [min(phases[name]["served"]), max(phases[name]["served"])]}
+        served = phases[name]["served"]
+        report[name] = {**{kind: later_turns(replicas.counts, name, kind) for kind in (NAMED, UNNAMED)},
+                        "load_imbalance_max_over_mean": imbalance(served),
+                        "requests_per_replica_min_max": [min(served), max(served)]}
     return {"phases": report, "errors": dict(errors), "wall_seconds": round(seconds, 1),
-            "tokenize_calls_per_chat_request": round(replicas.calls["tokenize"] / max(replicas.calls["chat"], 1), 2)}
+            "chat_requests": replicas.calls["chat"],
+            "arrivals_per_s_achieved": round(args.conversations / (seconds * speed), 2)}
+
+
+def later_turns(counts: Counter, phase: str, kind: str) -> dict:
+    hits, misses = counts[(phase, kind, "hit")], counts[(phase, kind, "miss")]
+    return {"later_turns": hits + misses, "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None}
 
 
 async def replace(session: aiohttp.ClientSession, router_url: str, replicas: SimulatedReplicas, count: int) -> None:
-    """COUNT replicas start failing health checks and requests; as many new ones join through /add_worker."""
+    """COUNT replicas start failing health checks and requests; as many new ones join through POST /workers."""
     for replica in list(r for r in replicas.by_port.values() if r.alive)[:count]:
         replica.alive = False
     for _ in range(count):
         replica = await replicas.add()
-        async with session.post(router_url + "/add_worker", params={"url": replica.url}) as reply:
+        async with session.post(router_url + "/workers", json={"url": replica.url}) as reply:
             if reply.status >= 300:
-                raise RuntimeError(f"/add_worker answered {reply.status}: {await reply.text()}")
+                raise RuntimeError(f"POST /workers answered {reply.status}: {await reply.text()}")
 
 
 async def run(args, out_dir: Path) -> dict:
@@ -219,10 +213,11 @@ async def run(args, out_dir: Path) -> dict:
     await replicas.start()
     initial = [await replicas.add() for _ in range(args.sim_replicas)]
     port = free_port()
-    command = [router_binary(), "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+    command = [*router_command(), "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
                "--prometheus-port", str(free_port()), "--worker-urls", *[r.url for r in initial], *router_flags(args)]
     router = await asyncio.to_thread(start_process, command, port, out_dir)
     try:
+        await asyncio.to_thread(wait_until_routed, router.base_url, [r.url for r in initial])
         return await simulate(args, router.base_url, replicas)
     finally:
         await asyncio.to_thread(stop_server, router)
@@ -242,6 +237,7 @@ def run_routing_sim(args, config, tokenizer, out_dir: Path) -> dict:
     results = {"benchmark": "routing-sim", "command": "specserve " + shlex.join(sys.argv[1:]),
                "replicas": args.sim_replicas, "conversations": args.conversations, "mean_turns": args.mean_turns,
                "warm_sessions_per_replica": args.warm_sessions, "replaced": args.replace,
+               "named_share": args.named_share, "router": ROUTER_VERSION,
                "arrivals_per_s": args.arrivals_per_s, "think_s": args.think_s, "speedup": args.speedup,
                "max_open": args.max_open, "router_flags": router_flags(args),
                **asyncio.run(run(args, out_dir))}
@@ -262,6 +258,8 @@ def add_routing_sim_flags(parser) -> None:
                         "next turn")
     parser.add_argument("--speedup", type=float, default=100.0, help="simulated seconds per real second")
     parser.add_argument("--max-open", type=int, default=2000, help="conversations open at once, at most")
+    parser.add_argument("--named-share", type=float, default=0.5, help="share of conversations that name their session "
+                        "(X-Session-ID); the rest are placed by their text")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-threshold", type=float, default=None,
                         help="the router's --cache-threshold instead of the deployed one (bench/replicas.py)")
@@ -270,16 +268,18 @@ def add_routing_sim_flags(parser) -> None:
 def markdown(results: dict) -> str:
     lines = [f"# Routing simulation: {results['replicas']} replicas, {results['conversations']} conversations", "",
              f"Command: `{results['command']}`", "",
-             f"The real router (`{' '.join(results['router_flags'])}`) in front of simulated replicas "
-             f"(bench/routing_sim.py). Conversations arrive at {results['arrivals_per_s']}/s with a mean of "
-             f"{results['mean_turns']} turns and {results['think_s']} s between turns, simulated {results['speedup']}x "
-             f"faster than real time ({results['wall_seconds']} s); each replica keeps "
+             f"The real router ({results['router']} `{' '.join(results['router_flags'])}`) in front of simulated "
+             f"replicas (bench/routing_sim.py). Conversations arrive at {results['arrivals_per_s']}/s with a mean of "
+             f"{results['mean_turns']} turns and {results['think_s']} s between turns, {results['named_share']} of "
+             f"them naming their session, simulated {results['speedup']}x faster than real time "
+             f"({results['wall_seconds']} s for {results['chat_requests']} chat requests; the simulator kept up with "
+             f"{results['arrivals_per_s_achieved']} arrivals a simulated second); each replica keeps "
              f"{results['warm_sessions_per_replica']} sessions warm; {results['replaced']} replicas replaced halfway. "
-             f"Errors: {results['errors'] or 'none'}. The router asked the replicas for "
-             f"{results['tokenize_calls_per_chat_request']} tokenizations per chat request.", "",
-             "| phase | later turns | hit rate | load: busiest / mean | requests per replica (min, max) |",
-             "|---|---|---|---|---|"]
+             f"Errors: {results['errors'] or 'none'}.", "",
+             "| phase | named: later turns | hit rate | unnamed: later turns | hit rate | load: busiest / mean | "
+             "requests per replica (min, max) |", "|---|---|---|---|---|---|---|"]
     for name, phase in results["phases"].items():
-        lines.append(f"| {name} | {phase['later_turns']} | {phase['hit_rate']} | "
+        lines.append(f"| {name} | {phase[NAMED]['later_turns']} | {phase[NAMED]['hit_rate']} | "
+                     f"{phase[UNNAMED]['later_turns']} | {phase[UNNAMED]['hit_rate']} | "
                      f"{phase['load_imbalance_max_over_mean']} | {phase['requests_per_replica_min_max']} |")
     return "\n".join(lines) + "\n"

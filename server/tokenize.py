@@ -2,9 +2,9 @@
 text of token ids.
 
 The ids are exactly those a completion or chat request would be served with (the same chat template, tools and
-special tokens), so a client can count tokens before it sends, and a cache-aware router (vllm-router's
-`cache_aware` policy, docs/deployment.md) can route a request to the replica holding the longest prefix of it:
-the router asks a replica for a request's tokens here when it has no tokenizer of its own.
+special tokens), so a client can count tokens before it sends, and a router that places requests by token prefix
+(vLLM's router asks a replica for a request's tokens here when it has no tokenizer of its own) can route a request
+to the replica holding the longest prefix of it.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ OTHER_PROGRAMS_FLAGS = {
     "--draft-max", "--draft-min", "--model-draft", "--spec-replace", "--lookup-ngram-min", "--ctx-size", "--threads",
     "--parallel", "--continuous-batching", "--durations", "--collect-only", "--maxfail", "--timeout", "--follow",
 }
-# vllm-router's flags in the command line docs/deployment.md shows: those the deployment runs with (one home:
+# smg's flags in the command line docs/deployment.md shows: those the deployment runs with (one home:
 # bench/replicas.py), its worker list and metrics port; and docker compose's --build
 ROUTER_FLAGS_SHOWN = {flag for flag in ROUTER_FLAGS if flag.startswith("--")} | {"--worker-urls", "--prometheus-port",
                                                                                   "--build"}
