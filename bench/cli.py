@@ -332,7 +332,7 @@ BENCHMARKS: dict[str, Benchmark] = {
                              lambda args: ["humaneval" if args.completions else "mt-redundant"],
                              add_concurrency_flags),
     "sessions": Benchmark("multi-turn conversations per session mode", run_sessions, sessions_data, add_sessions_flags),
-    "replicas": Benchmark("replicas behind SGLang's model gateway: session hits, time to first token, a replica killed",
+    "replicas": Benchmark("replicas behind the Shepherd Model Gateway: session hits, first tokens, a replica killed",
                           run_replicas, lambda args: ["mt-redundant"], add_replicas_flags, serves_model=False),
     "routing-sim": Benchmark("the router in front of many simulated replicas: hit rate and load as replicas change",
                              run_routing_sim, lambda args: [], add_routing_sim_flags, serves_model=False),

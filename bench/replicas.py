@@ -1,4 +1,4 @@
-"""`specserve bench replicas`: specserve replicas behind SGLang's model gateway on loopback, as deployed.
+"""`specserve bench replicas`: specserve replicas behind the Shepherd Model Gateway on loopback, as deployed.
 
 Four runs, servers started one at a time:
 1. **one replica** serves C concurrent three-turn conversations (MT-Redundant turns 1 and 2, then THIRD_TURN), half
@@ -41,8 +41,8 @@ RETRY_DELAY_S = 0.5
 REQUEST_TIMEOUT = httpx.Timeout(600.0, connect=10.0, read=120.0)  # a stream silent for 2 minutes is a hang
 POLL_S = 0.1  # how often the router's worker list is read after a kill or a restart
 WINDOW_S = 10.0  # the failover's later turns are counted in windows of this many seconds after the kill
-# SGLang's model gateway (smg), as docs/deployment.md, docker/compose.replicas.yaml and deploy/k8s/router.yaml run it:
-# a conversation naming its session (X-Session-ID) stays on the replica its first turn went to (the gateway's
+# The Shepherd Model Gateway (smg), as docs/deployment.md, docker/compose.replicas.yaml and deploy/k8s/router.yaml run
+# it: a conversation naming its session (X-Session-ID) stays on the replica its first turn went to (the gateway's
 # routing-key table), and a new name goes to the replica holding the fewest names (min_group: placing names by
 # prefix instead piles conversations that share a system prompt onto one replica, and a named conversation cannot
 # leave it); one without a name goes where the longest prefix of its text is cached (cache_aware), if at least
@@ -397,7 +397,7 @@ def add_replicas_flags(parser) -> None:
 
 def markdown(results: dict) -> str:
     single, routed = results["single"], results["routed"]
-    lines = [f"# {results['replicas']} replicas behind SGLang's model gateway: sessions, first tokens, failover", "",
+    lines = [f"# {results['replicas']} replicas behind the Shepherd Model Gateway: sessions, latency, failover", "",
              f"Command: `{results['command']}`", "",
              f"{results['conversations']} concurrent conversations per run (MT-Redundant turns 1 and 2, then "
              f"\"{THIRD_TURN}\"), half naming a session (X-Session-ID), {results['max_new_tokens']} new tokens a "

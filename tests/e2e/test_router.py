@@ -1,4 +1,4 @@
-"""SGLang's model gateway in front of two real replicas (the session's default and plain servers), flagged as
+"""The Shepherd Model Gateway (smg) in front of two real replicas (the session's default and plain servers), flagged as
 docs/deployment.md deploys it: conversations through it stream, and every later turn comes back to the replica that
 holds its session, named (X-Session-ID for the gateway, session_id for the replica) or not (placed by its text)."""
 from __future__ import annotations
