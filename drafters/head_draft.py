@@ -26,42 +26,49 @@ from drafters.model_draft import ModelDrafter
 
 @dataclass
 class HeadKV:
-    """What the head holds of a request's real tokens."""
+    """What the head holds of a request's real tokens. The target's states arrive every step, read or not (a head the
+    planner keeps off reads none for a while): they are kept as the chunks they came in, joined only when read, so a
+    step costs the same whatever the unread history's length."""
 
     num_valid: int = 0  # positions whose head KV holds the request's real tokens read with the target's states
     token_ids: list[int] = field(default_factory=list)  # those tokens, when a turn ends (what a next turn shares)
-    states_start: int = 0  # position of states[0]
-    states: torch.Tensor | None = None  # [n, 3 * hidden] target states of positions states_start.. not yet read
+    states_start: int = 0  # position of the first kept state
+    chunks: list[torch.Tensor] = field(default_factory=list)  # [n, 3 * hidden] target states from states_start on
+    num_states: int = 0  # rows in chunks
 
     @property
     def num_bytes(self) -> int:
-        return 0 if self.states is None else self.states.numel() * self.states.element_size()
+        return sum(chunk.numel() * chunk.element_size() for chunk in self.chunks)
 
     def add_states(self, start: int, states: torch.Tensor) -> None:
         """The target's states of positions START.. (a step's or a chunk's, in order)."""
-        if self.states is None or start != self.states_start + len(self.states):
-            self.states_start, self.states = start, states
-        else:
-            self.states = torch.cat([self.states, states])
+        if start != self.states_start + self.num_states:
+            self.states_start, self.chunks, self.num_states = start, [], 0
+        self.chunks.append(states)
+        self.num_states += len(states)
 
     def read_by(self, start: int, end: int, width: int) -> torch.Tensor:
         """[end - start, width] the states the entries of positions START..END-1 read: each the state at p - 1,
         zeros where none is kept."""
         out = torch.zeros(end - start, width)
-        if self.states is not None:
-            first = max(start - 1, self.states_start)  # positions of the states read, first..last-1
-            last = min(end - 1, self.states_start + len(self.states))
-            if first < last:
-                kept = self.states[first - self.states_start:last - self.states_start]
-                out[first + 1 - start:last + 1 - start] = kept
+        first = max(start - 1, self.states_start)  # positions of the states read, first..last-1
+        last = min(end - 1, self.states_start + self.num_states)
+        if first < last:
+            states = self._joined()
+            out[first + 1 - start:last + 1 - start] = states[first - self.states_start:last - self.states_start]
         return out
 
     def keep_from(self, position: int) -> None:
         """Forget the states of positions before POSITION: read already."""
-        if self.states is None or position <= self.states_start:
+        if not self.chunks or position <= self.states_start:
             return
-        kept = self.states[position - self.states_start:]
-        self.states, self.states_start = (kept if len(kept) else None), position
+        kept = self._joined()[position - self.states_start:]
+        self.chunks, self.num_states, self.states_start = ([kept] if len(kept) else []), len(kept), position
+
+    def _joined(self) -> torch.Tensor:
+        if len(self.chunks) > 1:
+            self.chunks = [torch.cat(self.chunks)]
+        return self.chunks[0]
 
 
 class HeadDrafter(ModelDrafter):

@@ -21,13 +21,25 @@ def test_each_position_reads_the_state_before_it_and_zeros_where_none_is_kept():
     assert read == [0.0, 0.0, 3.0, 4.0, 5.0, 0.0]  # positions 2..7 read the states at 1..6: 3, 4 and 5 are kept
 
 
+def test_unread_states_stay_in_the_chunks_they_came_in_until_read():
+    """A head the planner keeps off reads nothing for many steps: each step's states are kept as they came, not
+    joined to the whole unread history every step (which grew quadratically), and read back in order."""
+    kv = HeadKV()
+    for position in range(100):
+        kv.add_states(position, states(position, position + 1))
+    assert len(kv.chunks) == 100 and kv.num_states == 100 and kv.num_bytes == 100 * 2 * 4
+    assert kv.read_by(1, 101, width=2)[:, 0].tolist() == [float(p) for p in range(100)]
+    kv.keep_from(99)
+    assert len(kv.chunks) == 1 and kv.read_by(100, 101, 2)[0, 0] == 99.0
+
+
 def test_states_read_are_dropped_and_a_gap_starts_afresh():
     kv = HeadKV()
     kv.add_states(0, states(0, 4))
     kv.keep_from(3)
-    assert kv.states_start == 3 and kv.states[:, 0].tolist() == [3.0]
+    assert kv.states_start == 3 and kv.num_states == 1 and kv.read_by(4, 5, 2)[0, 0] == 3.0
     kv.keep_from(4)
-    assert kv.states is None and kv.num_bytes == 0
+    assert kv.num_states == 0 and kv.num_bytes == 0
     kv.add_states(9, states(9, 10))  # not after the kept ones (a preempted request computed again, say)
     assert kv.states_start == 9 and kv.read_by(10, 11, 2)[0, 0] == 9.0
 
