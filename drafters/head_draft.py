@@ -39,7 +39,7 @@ class HeadKV:
     @property
     def num_bytes(self) -> int:
         """Bytes of the kept states (asked twice a step: the chunks share one row width and type)."""
-        return self.num_states * self.chunks[0][0].numel() * self.chunks[0].element_size() if self.chunks else 0
+        return self.num_states * self.chunks[0].shape[-1] * self.chunks[0].element_size() if self.chunks else 0
 
     def add_states(self, start: int, states: torch.Tensor) -> None:
         """The target's states of positions START.. (a step's or a chunk's, in order)."""
