@@ -1,29 +1,38 @@
 """Agentic traffic for `specserve bench spectra --agentic N`: N requests from separate conversations whose answers
-share structure — each asks for one JSON record over the same schema, about a different person — sent one after
-another. No conversation holds another's answer, so only an index across requests (SPECTRA's traffic index,
-drafters/retrieval.py) can draft one record from the records before it."""
+repeat each other although no prompt holds them, sent one after another.
+
+Each request is a code-writing agent's call for one small Python function: one of TASKS, under a name made of a verb
+from VERBS and the task's noun. The answers are the same few functions emitted again under other names (and the same
+explanations after them): no conversation holds another's answer, and no prompt holds the code, so only an index
+across requests (SPECTRA's traffic index, drafters/retrieval.py) can draft one answer from the answers before it.
+
+A workload whose prompts hold the shared structure does not isolate the index: with one JSON schema written into
+every prompt (the records this benchmark first sent), the core copies the keys from the prompt itself and the index
+added 1.04x (bench/README.md, SPECTRA).
+"""
 from __future__ import annotations
 
 import random
 
 from bench.mt import render_prompt
 
-NAMES = ("Alice", "Bruno", "Chen", "Dalia", "Emeka", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kemal", "Lena",
-         "Mateo", "Nia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tara")
-CITIES = ("Lisbon", "Osaka", "Nairobi", "Toronto", "Krakow", "Lima", "Hanoi", "Oslo", "Austin", "Porto")
-JOBS = ("nurse", "welder", "teacher", "pilot", "chemist", "baker", "architect", "librarian", "farmer", "editor")
-SCHEMA = ('{"name": string, "age": integer, "city": string, "job": string, "email": string, '
-          '"skills": [string, string], "active": boolean}')
+TASKS = (
+    ("average", "takes a list of numbers and returns their average"),
+    ("largest", "takes a list of numbers and returns the largest one"),
+    ("reverse", "takes a string and returns it reversed"),
+    ("count_words", "takes a string and returns how many words it has"),
+)
+VERBS = ("get", "compute", "find", "calc", "my", "do")
 
 
 def agentic_questions(count: int, seed: int = 0) -> list[dict]:
-    """COUNT requests for one record each over SCHEMA, about a different person (question_id agentic-i)."""
+    """COUNT requests for one function each: a task of TASKS drawn at random, named verb_noun (question_id
+    agentic-i)."""
     rng = random.Random(seed)
     questions = []
     for i in range(count):
-        name, age, city, job = rng.choice(NAMES), rng.randrange(21, 70), rng.choice(CITIES), rng.choice(JOBS)
-        text = f"Return only a JSON object matching this schema: {SCHEMA}. The person: {name}, {age} years old, " \
-               f"a {job} in {city}."
+        noun, what = rng.choice(TASKS)
+        text = f"Write a Python function named `{rng.choice(VERBS)}_{noun}` that {what}."
         questions.append({"question_id": f"agentic-{i}", "turns": [text]})
     return questions
 

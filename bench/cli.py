@@ -273,7 +273,7 @@ def add_spectra_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature of every run (0: greedy, outputs compared with none's)")
     parser.add_argument("--agentic", type=int, default=40,
-                        help="requests of the agentic run, separate conversations over one JSON schema (0: none)")
+                        help="requests of the agentic run: separate conversations whose answers repeat (0: none)")
 
 
 def add_models_flags(parser: argparse.ArgumentParser) -> None:

@@ -14,9 +14,9 @@
   place of the perplexity-filtered one.
 Every question of a phase is answered by each of its variants in turn, in an order rotated from question to
 question, so that the ratios compare runs seconds apart.
-- agentic (`--agentic N`): N requests from separate conversations whose answers share one JSON schema
-  (bench/agentic.py), one after another, for `none`, `copyspec`, `spectra-core` and `spectra` (its traffic index on),
-  planner on: what the index of earlier responses adds.
+- agentic (`--agentic N`): N requests from separate conversations whose answers repeat each other although no prompt
+  holds them (bench/agentic.py), one after another, for `none`, `copyspec`, `spectra-core`, `spectra` without its
+  traffic index (the corpus kept) and `spectra`, planner on: what the index of earlier responses adds.
 
 Greedy outputs are compared with `none`'s (near-tie rule, bench/exactness.py); sampled ones (temperature > 0, each
 request seeded by its prompt) are not: tests/engine/test_sampling_distribution.py checks their
@@ -48,13 +48,14 @@ from engine.engine import Engine
 from engine.model.draft_model import MODEL_DRAFTERS
 
 ABLATED = ("forward", "backward", "retrieval", "filter")  # Variant.without: what the ablation takes away
+TRAFFIC = "traffic"  # Variant.without: the traffic index alone (the agentic phase's comparison)
 
 
 @dataclass(frozen=True)
 class Variant:
     drafter: str
     planner: bool = True
-    without: str | None = None  # spectra: one of ABLATED
+    without: str | None = None  # spectra: one of ABLATED, or TRAFFIC
 
     @property
     def label(self) -> str:
@@ -67,7 +68,8 @@ class Variant:
 HEADLINE = (Variant("none"), Variant("copyspec"), Variant("ngram"), Variant("spectra-core"), Variant("spectra"))
 PLANNER_OFF = (Variant("none"), Variant("ngram", planner=False), Variant("spectra", planner=False))
 ABLATION = (Variant("none"), Variant("spectra"), *(Variant("spectra", without=part) for part in ABLATED))
-AGENTIC = (Variant("none"), Variant("copyspec"), Variant("spectra-core"), Variant("spectra"))
+AGENTIC = (Variant("none"), Variant("copyspec"), Variant("spectra-core"), Variant("spectra", without=TRAFFIC),
+           Variant("spectra"))
 
 
 def with_draft_variants(variants: tuple[Variant, ...], config) -> tuple[Variant, ...]:
@@ -87,12 +89,14 @@ def make_runner(variant: Variant, config, temperature: float, unfiltered: Suffix
 
 
 def ablate(drafter, without: str | None, unfiltered: SuffixIndex | None) -> None:
-    """Take WITHOUT away from a SPECTRA drafter: a dictionary's guesses, both retrieval indexes, or the filtered
-    corpus (replaced by UNFILTERED)."""
+    """Take WITHOUT away from a SPECTRA drafter: a dictionary's guesses, both retrieval indexes, the traffic index
+    alone, or the filtered corpus (replaced by UNFILTERED)."""
     if without in ("forward", "backward"):
         drafter.dictionaries = drafter.dictionaries - {without}
     elif without == "retrieval":
         drafter.traffic = drafter.corpus = None
+    elif without == TRAFFIC:
+        drafter.traffic = None
     elif without == "filter":
         if drafter.corpus is None:
             raise RuntimeError("the filter's ablation needs the filtered corpus: run `specserve calibrate corpus`")
@@ -175,8 +179,9 @@ def markdown(results: dict) -> str:
                                          "guess verified, every pool chain carried, the paper's tokens per call."),
                          ("ablation", f"Ablation (planner on, first {setup['ablation_questions']} questions): "
                                       "each component taken away in turn, the paper's Table 2."),
-                         ("agentic", f"Agentic: {setup['agentic_requests']} requests from separate conversations, "
-                                     "one JSON schema, one after another, planner on (bench/agentic.py).")):
+                         ("agentic", f"Agentic: {setup['agentic_requests']} requests from separate conversations "
+                                     "for small functions that repeat one another, one after another, planner on "
+                                     "(bench/agentic.py).")):
         entries = [s for s in results["summary"] if s["phase"] == phase]
         if not entries:
             continue

@@ -59,6 +59,7 @@ TAU = 0.9
 RETRIEVAL_GUESSES = 3
 RETRIEVAL_TOKENS = 10
 LONG_MATCH = 8  # a retrieval guess after a match this long is scored apart from the shorter ones
+LONG_RETRIEVAL_TOKENS = 32  # and may run this long: SuffixDecoding drafts further the longer the match
 DICTIONARIES = ("backward", "forward")  # both are kept up to date; the ablation drafts from one alone
 
 
@@ -223,6 +224,14 @@ class Guess:
     from_pool: bool
 
 
+def retrieval_guess(source: str, token_ids: list[int], match: int) -> Guess:
+    """A retrieval index's continuation after a match of MATCH tokens: LONG_RETRIEVAL_TOKENS of it after a long
+    match, RETRIEVAL_TOKENS after a short one, scored by its source and the match's class."""
+    if match >= LONG_MATCH:
+        return Guess(token_ids[:LONG_RETRIEVAL_TOKENS], f"{source}:long", False)
+    return Guess(token_ids[:RETRIEVAL_TOKENS], f"{source}:short", False)
+
+
 class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
     """SPECTRA: the dictionaries' guesses (SPECTRA-core), then the retrieval indexes' (TRAFFIC: every finished
     response of every request; CORPUS: the calibrated corpus; neither: the core alone, `spectra-core`), as one tree
@@ -295,9 +304,9 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
         covered: set[tuple[int, ...]] = set()
         guesses: list[Guess] = []
         self._take(candidates, self.max_guesses, covered, guesses)
-        retrieved = [Guess(tokens, f"{source}:" + ("long" if match >= LONG_MATCH else "short"), False)
+        retrieved = [retrieval_guess(source, tokens, match)
                      for source, index in (("traffic", self.traffic), ("corpus", self.corpus)) if index is not None
-                     for tokens, match in index.search(token_ids, RETRIEVAL_GUESSES, RETRIEVAL_TOKENS)]
+                     for tokens, match in index.search(token_ids, RETRIEVAL_GUESSES, LONG_RETRIEVAL_TOKENS)]
         self._take(retrieved, len(guesses) + RETRIEVAL_GUESSES, covered, guesses)
         return guesses
 

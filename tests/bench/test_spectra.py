@@ -1,7 +1,7 @@
 """`specserve bench spectra`: the ablation takes exactly one component away from the drafter, and labels say which."""
 import pytest
 
-from bench.spectra import ABLATED, ABLATION, PLANNER_OFF, ablate
+from bench.spectra import ABLATED, ABLATION, AGENTIC, PLANNER_OFF, TRAFFIC, ablate
 from drafters.retrieval import SuffixIndex
 from drafters.spectra import DICTIONARIES, SpectraDrafter
 
@@ -22,6 +22,18 @@ def test_without_retrieval_both_indexes_go_and_the_dictionaries_stay():
     drafter = drafter_with_both_indexes()
     ablate(drafter, "retrieval", None)
     assert drafter.traffic is None and drafter.corpus is None and drafter.dictionaries == set(DICTIONARIES)
+
+
+def test_without_traffic_only_the_traffic_index_goes():
+    drafter = drafter_with_both_indexes()
+    corpus = drafter.corpus
+    ablate(drafter, TRAFFIC, None)
+    assert drafter.traffic is None and drafter.corpus is corpus and drafter.dictionaries == set(DICTIONARIES)
+
+
+def test_the_agentic_phase_sets_spectra_beside_itself_without_its_traffic_index():
+    assert [variant.label for variant in AGENTIC] == ["none", "copyspec", "spectra-core",
+                                                      "spectra without traffic planner on", "spectra planner on"]
 
 
 def test_the_unfiltered_corpus_replaces_the_filtered_one_and_needs_it():

@@ -212,3 +212,32 @@ def test_finished_responses_feed_the_traffic_index_that_later_requests_draw_on()
     # the core's G = 1 guess first, then retrieval's beyond G
     assert [(g.token_ids, g.kind) for g in guesses] == [([1, 7, 8], "backward"), ([10, 11, 12], "traffic:short")]
     assert drafter.propose([second])[0].source == "spectra"
+
+
+def test_a_long_match_drafts_further_than_a_short_one():
+    from drafters.spectra import LONG_MATCH, LONG_RETRIEVAL_TOKENS, RETRIEVAL_TOKENS, retrieval_guess
+
+    continuation = list(range(100, 100 + 2 * LONG_RETRIEVAL_TOKENS))
+    short = retrieval_guess("traffic", continuation, LONG_MATCH - 1)
+    long = retrieval_guess("corpus", continuation, LONG_MATCH)
+    assert (short.token_ids, short.kind) == (continuation[:RETRIEVAL_TOKENS], "traffic:short")
+    assert (long.token_ids, long.kind) == (continuation[:LONG_RETRIEVAL_TOKENS], "corpus:long")
+    assert not short.from_pool and not long.from_pool
+
+
+def test_a_response_repeated_after_a_long_match_is_drafted_past_the_short_bound():
+    from drafters.retrieval import SuffixIndex
+    from drafters.spectra import LONG_RETRIEVAL_TOKENS, RETRIEVAL_TOKENS
+
+    drafter = SpectraDrafter(n=3, max_guesses=1, pool_size=0, traffic=SuffixIndex(2**20))
+    first = Req("a", [50, 51])
+    drafter.begin(first)
+    response = list(range(200, 260))  # no token repeats: the core knows nothing of what follows
+    first.all_token_ids += response
+    drafter.finish(first)
+    second = Req("b", [60, *response[:12]])  # another conversation re-emitting it, 12 tokens in
+    drafter.begin(second)
+    guesses = drafter.guesses(drafter._corpora["b"].index, second.all_token_ids)
+    retrieved = [g for g in guesses if g.kind.startswith("traffic")]
+    assert [(g.token_ids, g.kind) for g in retrieved] == [(response[12:12 + LONG_RETRIEVAL_TOKENS], "traffic:long")]
+    assert LONG_RETRIEVAL_TOKENS > RETRIEVAL_TOKENS
