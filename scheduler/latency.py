@@ -16,6 +16,11 @@ import bisect
 
 # weight of the latest measurement in the running means of what real forwards cost beyond a profile
 OVERHEAD_SMOOTHING = 0.1
+# a price per row unmeasured for STALE_STEPS steps shrinks by ROW_PRICE_DECAY a step (StepOverhead): one ten times
+# too high falls back within ~260 steps without rows
+STALE_STEPS = 32
+ROW_PRICE_DECAY = 0.01
+ERROR_BOUND = 3.0  # a step's error counts at most this many times its predicted seconds (StepOverhead)
 
 
 class LatencyModel:
@@ -61,11 +66,19 @@ class StepOverhead:
     and a draw), which a price per step would spread over the steps that verify nothing and leave out of what the
     planner weighs a drafted token by. Both prices are learnt together from each step's error, the normalised
     least-mean-squares step over the features (1, rows); the price per row never goes below zero (a profile that
-    overprices rows stays the profile's). A class not measured yet borrows the nearest measured class's prices."""
+    overprices rows stays the profile's). A class not measured yet borrows the nearest measured class's prices.
+
+    Two guards keep one bad step from ending speculation for good. A step's error counts at most ERROR_BOUND times
+    its predicted seconds: a step descheduled or faulting for half a second says little about rows, and its full
+    error would raise the price per row so far that the planner verifies no row again. And a price per row is only
+    measured by steps that verify rows, so one too high would never be corrected: after STALE_STEPS steps without
+    rows, each further one shrinks it by ROW_PRICE_DECAY, until rows pay again in the planner's eyes and their
+    steps measure it anew (a price that is right costs a retry every ~50 steps while drafts do not pay)."""
 
     def __init__(self) -> None:
         # batch size class (the bit length of the batch size) -> (seconds per step, seconds per row)
         self.by_class: dict[int, tuple[float, float]] = {}
+        self.rowless: dict[int, int] = {}  # batch size class -> its steps without rows since the last with rows
 
     def __call__(self, batch_size: int, num_rows: int = 0) -> float:
         per_step, per_row = self.prices(batch_size)
@@ -79,9 +92,18 @@ class StepOverhead:
         nearest = min(self.by_class, key=lambda measured: (abs(measured - size_class), measured))
         return self.by_class[nearest]
 
-    def observe(self, batch_size: int, error: float, num_rows: int = 0) -> None:
+    def observe(self, batch_size: int, error: float, num_rows: int = 0, predicted: float | None = None) -> None:
         """A step of BATCH_SIZE requests with NUM_ROWS rows beyond their own tokens took ERROR seconds longer than
-        predicted with these prices."""
+        PREDICTED (None: no bound on the error) with these prices."""
         per_step, per_row = self.prices(batch_size)
+        if predicted is not None:
+            bound = ERROR_BOUND * predicted
+            error = min(max(error, -bound), bound)
         step = OVERHEAD_SMOOTHING * error / (1 + num_rows * num_rows)
-        self.by_class[batch_size.bit_length()] = (per_step + step, max(per_row + step * num_rows, 0.0))
+        size_class = batch_size.bit_length()
+        self.rowless[size_class] = 0 if num_rows else self.rowless.get(size_class, 0) + 1
+        if num_rows:
+            per_row += step * num_rows
+        elif self.rowless[size_class] > STALE_STEPS:
+            per_row *= 1 - ROW_PRICE_DECAY
+        self.by_class[size_class] = (per_step + step, max(per_row, 0.0))

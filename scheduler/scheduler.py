@@ -210,7 +210,7 @@ class Scheduler:
             num_rows = out.num_scheduled_tokens - batch_size
             predicted = self._batch_seconds(out.num_scheduled_tokens, batch_size, num_rows) \
                 + self._extra_path_seconds(out)
-            self.step_overhead.observe(batch_size, seconds - predicted, num_rows)
+            self.step_overhead.observe(batch_size, seconds - predicted, num_rows, predicted)
 
     # --- after verification ----------------------------------------------------------------------
     def update(self, out: SchedulerOutput, results: list[Verification]) -> StepUpdate:

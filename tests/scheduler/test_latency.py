@@ -1,7 +1,7 @@
 """The latency model's profile, and what real steps cost beyond it by batch size."""
 import pytest
 
-from scheduler.latency import OVERHEAD_SMOOTHING, LatencyModel, StepOverhead
+from scheduler.latency import ERROR_BOUND, OVERHEAD_SMOOTHING, ROW_PRICE_DECAY, STALE_STEPS, LatencyModel, StepOverhead
 
 
 def test_the_profile_is_interpolated_and_never_cheaper_for_more_tokens():
@@ -54,3 +54,29 @@ def test_a_price_per_row_is_learnt_beside_the_price_per_step():
         rows = i % 5
         overhead.observe(1, 0.004 - 0.0005 * rows - overhead(1, rows), rows)
     assert overhead.prices(1)[1] == 0.0
+
+
+def test_one_stalled_step_counts_no_more_than_its_prediction():
+    """A step that took half a second (descheduled, faulting) moves the prices as a step ERROR_BOUND times its
+    prediction late would, not by half a second."""
+    stalled, late = StepOverhead(), StepOverhead()
+    stalled.observe(1, 0.5, 1, predicted=0.012)
+    late.observe(1, ERROR_BOUND * 0.012, 1, predicted=0.012)
+    assert stalled.prices(1) == late.prices(1)
+    assert stalled.prices(1)[1] == pytest.approx(OVERHEAD_SMOOTHING * ERROR_BOUND * 0.012 / 2)
+
+
+def test_a_price_per_row_that_stopped_every_row_falls_back_without_rows():
+    """Only steps with rows measure the price per row; one too high would keep the planner from ever verifying a row,
+    so steps without rows shrink it until rows are tried again."""
+    overhead = StepOverhead()
+    overhead.by_class[1] = (0.0, 0.050)  # 50 ms a row: no draft would ever pay
+    for _ in range(STALE_STEPS):  # a while without rows is not yet a reason to doubt the price
+        overhead.observe(1, 0.0 - overhead(1), 0, predicted=0.012)
+    assert overhead.prices(1)[1] == 0.050
+    for _ in range(230):
+        overhead.observe(1, 0.0 - overhead(1), 0, predicted=0.012)
+    assert overhead.prices(1)[1] == pytest.approx(0.050 * (1 - ROW_PRICE_DECAY) ** 230)
+    assert overhead.prices(1)[1] < 0.005
+    overhead.observe(1, 0.0 - overhead(1, 1), 1, predicted=0.012)  # a step with a row measures it again
+    assert overhead.rowless[1] == 0
