@@ -73,7 +73,7 @@ class StepOverhead:
     error would raise the price per row so far that the planner verifies no row again. And a price per row is only
     measured by steps that verify rows, so one too high would never be corrected: after STALE_STEPS steps without
     rows, each further one shrinks it by ROW_PRICE_DECAY, until rows pay again in the planner's eyes and their
-    steps measure it anew (a price that is right costs a retry every ~50 steps while drafts do not pay)."""
+    steps measure it anew (a price that is right then costs an occasional retry while drafts do not pay)."""
 
     def __init__(self) -> None:
         # batch size class (the bit length of the batch size) -> (seconds per step, seconds per row)

@@ -56,7 +56,7 @@ def test_a_price_per_row_is_learnt_beside_the_price_per_step():
     assert overhead.prices(1)[1] == 0.0
 
 
-def test_one_stalled_step_counts_no_more_than_its_prediction():
+def test_one_stalled_step_counts_no_more_than_a_few_times_its_prediction():
     """A step that took half a second (descheduled, faulting) moves the prices as a step ERROR_BOUND times its
     prediction late would, not by half a second."""
     stalled, late = StepOverhead(), StepOverhead()
