@@ -21,10 +21,10 @@ acceptance estimates by kind and depth (drafters/ngram.py's RowRates) for the go
 dictionaries from one turn of a conversation to the next (drafters/corpus.py).
 
 SPECTRA-RETRIEVAL's guesses follow the core's: the continuations of the context's end in two retrieval indexes
-(drafters/retrieval.py), the server's own traffic first (every finished response joins one index shared by all
-requests and sessions, bounded in bytes, oldest out: `--spectra-index-mib`), then the corpus `specserve calibrate
-corpus` kept for the served model (the paper's index: the samples the model finds likeliest). `spectra-core` is the
-core alone.
+(drafters/retrieval.py), the server's own traffic first (every finished response, behind the last tokens of its
+prompt, joins one index shared by all requests and sessions, bounded in bytes, oldest out: `--spectra-index-mib`),
+then the corpus `specserve calibrate corpus` kept for the served model (the paper's index: the samples the model finds
+likeliest). `spectra-core` is the core alone.
 
 Defaults are the paper's Appendix B: N = 5 (5-grams), G = 15 guesses, 15 continuations per key, W = 15 pool
 chains; tau is read the other way round (TAU).
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Sequence
 from drafters.base import TOKEN_BYTES, Computed, Draft, DraftableRequest, common_prefix_len
 from drafters.corpus import CorpusDrafter, SessionCorpus
 from drafters.ngram import RowRates
-from drafters.retrieval import SuffixIndex
+from drafters.retrieval import MAX_MATCH, SuffixIndex
 from drafters.tree import merge_rows
 
 if TYPE_CHECKING:
@@ -60,6 +60,9 @@ RETRIEVAL_GUESSES = 3
 RETRIEVAL_TOKENS = 10
 LONG_MATCH = 8  # a retrieval guess after a match this long is scored apart from the shorter ones
 LONG_RETRIEVAL_TOKENS = 32  # and may run this long: SuffixDecoding drafts further the longer the match
+# a response joins the traffic index behind its prompt's last tokens: a later response's first tokens are then drafted
+# from the response whose prompt ended most like its own (a match is measured back MAX_MATCH tokens)
+PROMPT_TAIL_TOKENS = MAX_MATCH
 DICTIONARIES = ("backward", "forward")  # both are kept up to date; the ablation drafts from one alone
 
 
@@ -322,12 +325,13 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
                 guesses.append(guess)
 
     def finish(self, req: DraftableRequest) -> SessionCorpus | None:
-        """The request's response joins the traffic index, for every later request to draw on."""
+        """The request's response, behind its prompt's last PROMPT_TAIL_TOKENS, joins the traffic index for every
+        later request to draw on."""
         self._proposed.pop(req.request_id, None)
         self._pools.pop(req.request_id, None)
         prompt_length = self._prompt_lengths.pop(req.request_id, len(req.all_token_ids))
         if self.traffic is not None:
-            self.traffic.add(req.all_token_ids[prompt_length:])
+            self.traffic.add(req.all_token_ids[max(prompt_length - PROMPT_TAIL_TOKENS, 0):])
         return super().finish(req)
 
     def state_bytes(self) -> int:

@@ -214,6 +214,28 @@ def test_finished_responses_feed_the_traffic_index_that_later_requests_draw_on()
     assert drafter.propose([second])[0].source == "spectra"
 
 
+def test_a_response_is_drafted_from_its_first_token_after_a_prompt_that_ends_like_an_earlier_one():
+    from drafters.retrieval import SuffixIndex
+    from drafters.spectra import LONG_RETRIEVAL_TOKENS, PROMPT_TAIL_TOKENS, RETRIEVAL_TOKENS
+
+    drafter = SpectraDrafter(n=3, max_guesses=1, pool_size=0, traffic=SuffixIndex(2**20))
+    asked = list(range(300, 300 + PROMPT_TAIL_TOKENS))  # the question and the chat template's assistant header
+    response = list(range(200, 260))
+    first = Req("a", [50, 51, *asked])
+    drafter.begin(first)
+    first.all_token_ids += response
+    drafter.finish(first)
+    other = Req("b", [70, 71, 72, *asked[-4:]])  # another prompt whose last tokens only are the same
+    same = Req("c", [60, *asked])  # the same question in another conversation
+    for req in (other, same):
+        drafter.begin(req)
+    retrieved = {req.request_id: [(g.token_ids, g.kind) for g in drafter.guesses(
+        drafter._corpora[req.request_id].index, req.all_token_ids) if g.kind.startswith("traffic")]
+        for req in (other, same)}
+    assert retrieved["b"] == [(response[:RETRIEVAL_TOKENS], "traffic:short")]
+    assert retrieved["c"] == [(response[:LONG_RETRIEVAL_TOKENS], "traffic:long")]
+
+
 def test_a_long_match_drafts_further_than_a_short_one():
     from drafters.spectra import LONG_MATCH, LONG_RETRIEVAL_TOKENS, RETRIEVAL_TOKENS, retrieval_guess
 
