@@ -23,7 +23,7 @@ from typing import Sequence
 from drafters.base import Draft, DraftableRequest
 from drafters.bigram import BackgroundTable
 from drafters.corpus import CorpusDrafter, SessionCorpus
-from drafters.tree import merge_rows
+from drafters.tree import ROOT, children, merge_rows
 
 QUERY_LEN = 1  # q: tokens matched at the end of the context
 MAX_MATCH = 3  # tokens before a context window compared with those before the query, for its row kind
@@ -79,14 +79,18 @@ class RowRates:
         self.tried: Counter[tuple[str, int]] = Counter()
         self.hits: Counter[tuple[str, int]] = Counter()
 
-    def rate(self, kind: str, depth: int) -> float:
-        return self.rates(kind, depth)[-1]
+    def rate(self, kind: str, depth: int, shared: RowRates | None = None) -> float:
+        return self.rates(kind, depth, shared)[-1]
 
-    def rates(self, kind: str, max_depth: int) -> list[float]:
-        """[max_depth] the rate at depths 1 .. max_depth, each shrunk towards the one before."""
+    def rates(self, kind: str, max_depth: int, shared: RowRates | None = None) -> list[float]:
+        """[max_depth] the rate at depths 1 .. max_depth, each shrunk towards the one before, or, given SHARED
+        (wider statistics: these are one request's), towards SHARED's rate at the same depth."""
         result, prior = [], ROW_PRIOR
+        priors = shared.rates(kind, max_depth) if shared is not None else None
         for depth in range(1, max_depth + 1):
             key = (kind, depth)
+            if priors is not None:
+                prior = priors[depth - 1]
             prior = (self.hits[key] + prior * ROW_PRIOR_WEIGHT) / (self.tried[key] + ROW_PRIOR_WEIGHT)
             result.append(prior)
         return result
@@ -98,6 +102,23 @@ class RowRates:
                 if token != target:
                     break
                 self.hits[(kind, depth)] += 1
+
+    def score_tree(self, token_ids: Sequence[int], parents: Sequence[int], kinds: Sequence[str],
+                   target_token_ids: Sequence[int]) -> None:
+        """Score a tree's nodes, each of its own kind: every node whose parent lies on the target's path, at its
+        depth (scheduler/acceptance.py's scored_nodes)."""
+        kids = children(parents)
+        node = ROOT
+        for depth, target in enumerate(target_token_ids, start=1):
+            matched = None
+            for child in kids.get(node, ()):
+                self.tried[(kinds[child], depth)] += 1
+                if token_ids[child] == target:
+                    self.hits[(kinds[child], depth)] += 1
+                    matched = child
+            if matched is None:
+                return
+            node = matched
 
 
 class NgramDrafter(CorpusDrafter[ContextNgramIndex]):

@@ -121,7 +121,46 @@ def test_the_steps_tokens_score_the_last_guesses_by_kind():
     drafter.propose([req])  # backward guess [2, 3, 1]
     req.all_token_ids.append(2)
     drafter.extend(req, [2])
-    assert drafter.rates.hits[("backward", 1)] == 1 and drafter.rates.tried[("backward", 2)] == 0
+    for rates in (drafter.rates, drafter._request_rates["r"]):  # every request's, and the request's own
+        assert rates.hits[("backward", 1)] == 1 and rates.tried[("backward", 2)] == 0
+
+
+def test_tree_nodes_take_the_first_guess_kind_and_are_scored_apart_where_guesses_agree():
+    from drafters.spectra import Guess, node_kinds
+    from drafters.tree import merge_rows
+
+    guesses = [Guess([5, 6, 7], "backward", False), Guess([5, 6, 8], "forward:rank1", False),
+               Guess([9], "forward:rank2", False)]
+    token_ids, parents, paths = merge_rows([g.token_ids for g in guesses])
+    kinds = node_kinds(guesses, paths, len(token_ids))
+    assert list(zip(token_ids, kinds)) == [(5, "backward:agreed"), (6, "backward:agreed"), (7, "backward"),
+                                           (8, "forward:rank1"), (9, "forward:rank2")]
+    drafter = SpectraDrafter(n=3, pool_size=0)
+    drafter.rates.score_tree(token_ids, parents, kinds, [5, 6, 8, 3])  # the target's tokens: 5 6 8, then 3
+    tried = {key: n for key, n in drafter.rates.tried.items() if n}
+    hits = {key: n for key, n in drafter.rates.hits.items() if n}
+    assert tried == {("backward:agreed", 1): 1, ("forward:rank2", 1): 1, ("backward:agreed", 2): 1,
+                     ("backward", 3): 1, ("forward:rank1", 3): 1}
+    assert hits == {("backward:agreed", 1): 1, ("backward:agreed", 2): 1, ("forward:rank1", 3): 1}
+
+
+def test_a_requests_own_outcomes_rate_its_guesses_before_every_requests_do():
+    from drafters.ngram import ROW_PRIOR, ROW_PRIOR_WEIGHT, RowRates
+
+    drafter = SpectraDrafter(n=3, pool_size=0)
+    right, wrong = Req("right", [1, 2, 3, 1]), Req("wrong", [1, 2, 3, 1])  # both guess 2 3 1 (backward) next
+    for req in (right, wrong):
+        drafter.begin(req)
+    for request_id, hits in (("right", 10), ("wrong", 0)):  # ten backward guesses each: all right, all wrong
+        drafter._request_rates[request_id] = own = RowRates()
+        own.tried[("backward", 1)], own.hits[("backward", 1)] = 10, hits
+    drafter.rates.tried[("backward", 1)], drafter.rates.hits[("backward", 1)] = 20, 10
+    over_both = (10 + ROW_PRIOR * ROW_PRIOR_WEIGHT) / (20 + ROW_PRIOR_WEIGHT)  # ~0.47
+    assert drafter.rates.rate("backward", 1) == pytest.approx(over_both)
+    first = {req.request_id: drafter.propose([req])[0].acceptance[0] for req in (right, wrong)}
+    assert first["right"] > 0.8 and first["wrong"] < 0.2
+    drafter.finish(right)
+    assert "right" not in drafter._request_rates
 
 
 def test_a_next_turn_resumes_the_dictionaries():
@@ -190,7 +229,7 @@ def test_what_look_ahead_rows_earned_is_credited_per_row():
     drafter.observe(req, Computed(3, [4], lookahead_logits=logits_preferring(10, 9)))  # the pool writes 4 6 9
     assert drafter.lookahead_yield.rows == 2 and drafter.lookahead_yield.per_row < prior  # nothing earned yet
     drafter.propose([req])
-    guesses = drafter._proposed["r"]
+    guesses = drafter._proposed["r"].guesses
     assert [(g.token_ids, g.kind) for g in guesses] == [([6, 9], "backward:pool")]  # only the pool knows what follows
     drafter.extend(req, [6, 9])  # the target's tokens: both guessed tokens, and no other guess had them
     assert drafter.lookahead_yield.earned == 2
