@@ -76,7 +76,8 @@ def test_spectra_drafts_from_earlier_responses_and_stays_exact(engines):
             ref, out = reference[f"req-{i}"].new_token_ids, outputs[f"req-{i}"].new_token_ids
             assert divergence_verdict(engines["none"].runner.model, prompt, ref, out) != "mismatch", i
     assert drafter.traffic.num_documents >= len(batch)
-    assert sum(drafter.rates.hits[(kind, 1)] for kind in ("traffic:short", "traffic:long")) > 0
+    # tree nodes are rated by the first guess through them: a retrieval guess's own nodes are those past the core's
+    assert sum(hits for (kind, _), hits in drafter.rates.hits.items() if kind.startswith("traffic")) > 0
 
 
 @pytest.mark.parametrize("drafter", ["copyspec", "ngram", "spectra"])
