@@ -97,11 +97,12 @@ def _spectra(config: SpecConfig, context: DrafterContext) -> Drafter:
         logger.info("no SPECTRA corpus for this model yet (`specserve calibrate corpus`): retrieval from the "
                     "server's own responses only")
     return SpectraDrafter(config.spectra_n, config.spectra_guesses, config.spectra_pool, config.spectra_tau,
-                          traffic=traffic, corpus=corpus)
+                          traffic=traffic, corpus=corpus, bigram=model_bigram(context))
 
 
 def _spectra_core(config: SpecConfig, context: DrafterContext) -> Drafter:
-    return SpectraDrafter(config.spectra_n, config.spectra_guesses, config.spectra_pool, config.spectra_tau)
+    return SpectraDrafter(config.spectra_n, config.spectra_guesses, config.spectra_pool, config.spectra_tau,
+                          bigram=model_bigram(context))
 
 
 logger = logging.getLogger("specserve.drafters")

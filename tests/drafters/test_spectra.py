@@ -2,6 +2,7 @@
 backward guess first, at most G guesses merged into one tree, and the dictionaries carried across a session's turns."""
 import random
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -95,6 +96,26 @@ def test_guesses_put_the_backward_one_first_cap_at_g_and_merge_into_one_tree():
     paths = {tuple(draft.token_ids[node] for node in path_to(draft.parents, leaf)) for leaf in range(len(draft))
              if leaf not in draft.parents}
     assert paths == {(7, 8, 0), (5, 6), (2, 4)}
+
+
+def test_the_model_bigram_adds_its_rows_after_the_other_guesses_leaving_out_covered_ones():
+    """Up to bigram_guesses rows of N - 1 tokens after the last token, the target's own next tokens after it bare; a
+    row that a guess taken already holds as a prefix adds nothing; no table (still building): no bigram guess."""
+    from drafters.bigram import BigramTable
+
+    top_ids = torch.tensor([[0, 1], [2, 3], [3, 2], [1, 0], [0, 0], [0, 0], [0, 0], [0, 0], [0, 0]], dtype=torch.int32)
+    bigram = SimpleNamespace(table=BigramTable(top_ids))  # after 1: 2 then 3; argmax chain 2 -> 3 -> 1 -> 2
+    drafter = SpectraDrafter(n=3, max_guesses=3, pool_size=0, bigram=bigram, bigram_guesses=2)
+    tokens = [5, 6, 7, 1]
+    drafter.begin(Req("r", tokens))
+    guesses = drafter.guesses(drafter._corpora["r"].index, tokens)
+    assert [(g.kind, g.token_ids) for g in guesses] == [("bigram:rank0", [2, 3]), ("bigram:rank1", [3, 1])]
+    tokens = [1, 2, 3, 0, 1]  # the backward guess [2, 3, 0] covers the bigram's first row [2, 3]
+    drafter.begin(Req("s", tokens))
+    guesses = drafter.guesses(drafter._corpora["s"].index, tokens)
+    assert [(g.kind, g.token_ids) for g in guesses] == [("backward", [2, 3, 0]), ("bigram:rank1", [3, 1])]
+    drafter.bigram = SimpleNamespace(table=None)
+    assert [g.kind for g in drafter.guesses(drafter._corpora["s"].index, tokens)] == ["backward"]
 
 
 @pytest.mark.parametrize("kept", ["backward", "forward"])
