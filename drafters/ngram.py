@@ -23,7 +23,7 @@ from typing import Sequence
 from drafters.base import Draft, DraftableRequest
 from drafters.bigram import BackgroundTable
 from drafters.corpus import CorpusDrafter, SessionCorpus
-from drafters.tree import ROOT, children, merge_rows
+from drafters.tree import merge_rows, scored_walk
 
 QUERY_LEN = 1  # q: tokens matched at the end of the context
 MAX_MATCH = 3  # tokens before a context window compared with those before the query, for its row kind
@@ -105,20 +105,11 @@ class RowRates:
 
     def score_tree(self, token_ids: Sequence[int], parents: Sequence[int], kinds: Sequence[str],
                    target_token_ids: Sequence[int]) -> None:
-        """Score a tree's nodes, each of its own kind: every node whose parent lies on the target's path, at its
-        depth (scheduler/acceptance.py's scored_nodes)."""
-        kids = children(parents)
-        node = ROOT
-        for depth, target in enumerate(target_token_ids, start=1):
-            matched = None
-            for child in kids.get(node, ()):
-                self.tried[(kinds[child], depth)] += 1
-                if token_ids[child] == target:
-                    self.hits[(kinds[child], depth)] += 1
-                    matched = child
-            if matched is None:
-                return
-            node = matched
+        """Score a tree's nodes, each of its own kind at its depth: every node whose parent lies on the target's
+        path (drafters/tree.py's scored_walk)."""
+        for node, depth, hit in scored_walk(token_ids, parents, target_token_ids):
+            self.tried[(kinds[node], depth)] += 1
+            self.hits[(kinds[node], depth)] += hit
 
 
 class NgramDrafter(CorpusDrafter[ContextNgramIndex]):

@@ -85,3 +85,22 @@ def path_to(parents: Sequence[int], node: int) -> list[int]:
         path.append(node)
         node = parents[node]
     return path[::-1]
+
+
+def scored_walk(token_ids: Sequence[int], parents: Sequence[int],
+                target_token_ids: Sequence[int]) -> list[tuple[int, int, bool]]:
+    """(node, depth, whether its token is the target's at that depth) for every node whose parent lies on the
+    target's path (the root's children always): the walk follows the matching node down while target tokens last.
+    What a drafter's acceptance statistics learn from, verified or not."""
+    kids = children(parents)
+    scored, node = [], ROOT
+    for depth, target in enumerate(target_token_ids, start=1):
+        matched = None
+        for child in kids.get(node, ()):
+            hit = token_ids[child] == target
+            scored.append((child, depth, hit))
+            matched = child if hit else matched
+        if matched is None:
+            break
+        node = matched
+    return scored

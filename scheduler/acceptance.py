@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from drafters.base import Draft
-from drafters.tree import ROOT, children, depths, sibling_ranks
+from drafters.tree import depths, scored_walk, sibling_ranks
 from scheduler.request import Request
 
 NodeKey = tuple[int, int]  # (depth, sibling rank); depth 1 = a child of the request's last token
@@ -91,17 +91,8 @@ class TreeAcceptance:
 
 
 def scored_nodes(draft: Draft, target_token_ids: list[int]) -> list[tuple[NodeKey, bool]]:
-    """Every node whose parent lies on the target's path (the root's children always), with its key and whether its
-    token is the target's at its depth; the walk follows the matching node down while target tokens last."""
-    kids, ranks = children(draft.parents), sibling_ranks(draft.parents)
-    scored, node = [], ROOT
-    for depth, target in enumerate(target_token_ids, start=1):
-        matched = None
-        for child in kids.get(node, ()):
-            hit = draft.token_ids[child] == target
-            scored.append(((depth, ranks[child]), hit))
-            matched = child if hit else matched
-        if matched is None:
-            return scored
-        node = matched
-    return scored
+    """Every node whose parent lies on the target's path (drafters/tree.py's scored_walk), with its key (depth,
+    sibling rank) and whether its token is the target's at its depth."""
+    ranks = sibling_ranks(draft.parents)
+    return [((depth, ranks[node]), hit) for node, depth, hit in scored_walk(draft.token_ids, draft.parents,
+                                                                            target_token_ids)]

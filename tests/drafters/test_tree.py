@@ -2,7 +2,17 @@
 import pytest
 
 from drafters.base import Draft
-from drafters.tree import chain_parents, children, depths, is_chain, merge_rows, path_to, sibling_ranks, subtree
+from drafters.tree import (
+    chain_parents,
+    children,
+    depths,
+    is_chain,
+    merge_rows,
+    path_to,
+    scored_walk,
+    sibling_ranks,
+    subtree,
+)
 
 
 def test_a_chain_is_the_tree_whose_every_node_follows_the_one_before():
@@ -32,3 +42,11 @@ def test_merging_rows_shares_their_common_prefixes_and_keeps_row_order():
 def test_a_draft_rejects_a_parent_listed_after_its_child():
     with pytest.raises(ValueError):
         Draft([1, 2], "x", [1, -1])
+
+
+def test_the_scored_walk_scores_every_child_of_the_targets_path_and_stops_where_it_leaves_the_tree():
+    token_ids, parents, _ = merge_rows([[5, 6, 7], [5, 8], [9]])  # 5 -> 6 -> 7, 5 -> 8, 9
+    assert scored_walk(token_ids, parents, [5, 8, 1]) == [(0, 1, True), (4, 1, False), (1, 2, False), (3, 2, True)]
+    assert scored_walk(token_ids, parents, [9, 4]) == [(0, 1, False), (4, 1, True)]  # a leaf: nothing below
+    assert scored_walk(token_ids, parents, [2]) == [(0, 1, False), (4, 1, False)]
+    assert scored_walk([], [], [3]) == []
