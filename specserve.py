@@ -35,7 +35,8 @@ def add_calibrate_parser(commands) -> None:
 
     calibrate = commands.add_parser(
         "calibrate", help="build an artifact drafters derive from the served model, ahead of serving",
-        description="bigram: the n-gram drafter's model bigram table; pld-plus: PLD+'s layer and heads; "
+        description="bigram: the model bigram table of the ngram and spectra drafters; "
+                    "pld-plus: PLD+'s layer and heads; "
                     "sv: Speculative Verification's acceptance tables (needs --draft-model and --companion-model); "
                     "corpus: SPECTRA-retrieval's corpus of the samples the model finds likeliest",
     )

@@ -352,16 +352,18 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
                      for source, index in (("traffic", self.traffic), ("corpus", self.corpus)) if index is not None
                      for tokens, match in index.search(token_ids, RETRIEVAL_GUESSES, LONG_RETRIEVAL_TOKENS)]
         self._take(retrieved, len(guesses) + RETRIEVAL_GUESSES, covered, guesses)
-        self._take(self._bigram_guesses(token_ids[-1]), len(guesses) + self.bigram_guesses, covered, guesses)
+        # each guess taken covers at most one bigram row (the one starting with its first token)
+        bigram = self._bigram_guesses(token_ids[-1], len(guesses) + self.bigram_guesses)
+        self._take(bigram, len(guesses) + self.bigram_guesses, covered, guesses)
         return guesses
 
-    def _bigram_guesses(self, last_token: int) -> list[Guess]:
-        """The model bigram's rows of N - 1 tokens after LAST_TOKEN (none until its table is ready)."""
+    def _bigram_guesses(self, last_token: int, count: int) -> list[Guess]:
+        """The model bigram's first COUNT rows of N - 1 tokens after LAST_TOKEN (none until its table is ready)."""
         table = self.bigram.table if self.bigram is not None else None
-        if table is None:
+        if table is None or not self.bigram_guesses:
             return []
         return [Guess(row, f"bigram:rank{min(rank, 3)}", False)
-                for rank, row in enumerate(table.rows(last_token, self.bigram_guesses + self.max_guesses, self.n - 1))]
+                for rank, row in enumerate(table.rows(last_token, count, self.n - 1))]
 
     @staticmethod
     def _take(candidates: list[Guess], limit: int, covered: set[tuple[int, ...]], guesses: list[Guess]) -> None:
