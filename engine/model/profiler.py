@@ -1,11 +1,18 @@
 """Start-up profile of forward latency against the number of tokens in the packed forward, and of what each
-root-to-leaf path of a draft tree adds (scheduler/latency.py prices trees by their paths)."""
+root-to-leaf path of a draft tree adds (scheduler/latency.py prices trees by their paths).
+
+A count above MAX_PAGED_ROWS_QUERY_LEN is measured as several sequences' chains of at most that many tokens each, the
+shape of a busy decoding or verifying step (many requests, a few tokens each), which the paged row kernels attend
+and, on a GPU, a CUDA graph replays. One sequence's chain that long is a prefill chunk instead, which a GPU runs
+eagerly at 5-10 times a graphed step's cost: priced so, every step of over 64 tokens looks too dear to verify drafts
+in at 16 clients and more."""
 from __future__ import annotations
 
 import time
 
 import torch
 
+from engine.model.attention_layout import MAX_PAGED_ROWS_QUERY_LEN
 from engine.model.forward import ForwardBatch, ForwardItem, chain_item, tree_item
 from engine.model.packed_runner import PackedModelRunner
 from scheduler.kv_blocks import KVBlockManager
@@ -34,20 +41,20 @@ def profile_forward_latency(
     context_len = min(PROFILE_CONTEXT_LEN, max_model_len - max(counts))
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab_size, (context_len + max(counts),), generator=generator).tolist()
-    table = blocks.grow(PROFILE_REQUEST_ID, len(context))
+    tables = _profile_sequences(runner, blocks, context, context_len, _num_sequences(max(counts)))
     try:
-        runner.execute(ForwardBatch([chain_item(context[:context_len], 0, table, blocks.block_size)]))
         fastest = {n: float("inf") for n in counts}
         spent = {n: 0.0 for n in counts}
         for round_index in range(PROFILE_ROUNDS):
             for n in counts:
                 if round_index and spent[n] >= PROFILE_SECONDS_PER_COUNT:
                     continue
-                seconds = _forward_seconds(runner, table, context, context_len, n)
+                seconds = _forward_seconds(runner, tables, context, context_len, n)
                 fastest[n], spent[n] = min(fastest[n], seconds), spent[n] + seconds
         return fastest
     finally:
-        blocks.free(PROFILE_REQUEST_ID)
+        for index in range(len(tables)):
+            blocks.free(_sequence_id(index))
 
 
 @torch.inference_mode()
@@ -78,21 +85,54 @@ def profile_path_seconds(
         blocks.free(PROFILE_REQUEST_ID)
 
 
+def _num_sequences(num_tokens: int) -> int:
+    """Sequences a profiled step of NUM_TOKENS spreads its chains over: at most MAX_PAGED_ROWS_QUERY_LEN tokens each."""
+    return -(-num_tokens // MAX_PAGED_ROWS_QUERY_LEN)
+
+
+def _sequence_id(index: int) -> str:
+    return PROFILE_REQUEST_ID if index == 0 else f"{PROFILE_REQUEST_ID}:{index}"
+
+
+def _profile_sequences(
+    runner: PackedModelRunner, blocks: KVBlockManager, context: list[int], context_len: int, num_sequences: int
+) -> list[list[int]]:
+    """Block tables of NUM_SEQUENCES profile sequences (fewer, at least one, where the pool lacks the blocks), each
+    holding CONTEXT's first CONTEXT_LEN tokens in its KV and room for its share of the rest of CONTEXT."""
+    num_new = len(context) - context_len
+    while num_sequences > 1 and blocks.blocks_needed(context_len + -(-num_new // num_sequences)) * num_sequences \
+            > blocks.num_free_blocks:
+        num_sequences -= 1
+    length = context_len + -(-num_new // num_sequences)
+    tables = [blocks.grow(_sequence_id(index), length) for index in range(num_sequences)]
+    runner.execute(ForwardBatch([chain_item(context[:context_len], 0, table, blocks.block_size) for table in tables]))
+    return tables
+
+
 def _branches(num_paths: int, path_len: int) -> list[int]:
     """Parents of NUM_PATHS chains of PATH_LEN tokens, each hanging off the context."""
     return [-1 if depth == 0 else path * path_len + depth - 1 for path in range(num_paths) for depth in range(path_len)]
 
 
 def _forward_seconds(
-    runner: PackedModelRunner, table: list[int], context: list[int], context_len: int, num_tokens: int
+    runner: PackedModelRunner, tables: list[list[int]], context: list[int], context_len: int, num_tokens: int
 ) -> float:
-    item = chain_item(context[context_len:context_len + num_tokens], context_len, table, runner.block_size, num_tokens)
-    return _item_seconds(runner, item)
+    """Seconds of one forward of NUM_TOKENS new tokens after CONTEXT_LEN cached ones, spread evenly over as many of
+    the profile's sequences (TABLES) as keep each chain within MAX_PAGED_ROWS_QUERY_LEN tokens."""
+    num_sequences = min(_num_sequences(num_tokens), len(tables))
+    sizes = [num_tokens // num_sequences + (index < num_tokens % num_sequences) for index in range(num_sequences)]
+    items = [chain_item(context[context_len:context_len + size], context_len, table, runner.block_size, size)
+             for size, table in zip(sizes, tables)]
+    return _batch_seconds(runner, ForwardBatch(items))
 
 
 def _item_seconds(runner: PackedModelRunner, item: ForwardItem) -> float:
+    return _batch_seconds(runner, ForwardBatch([item]))
+
+
+def _batch_seconds(runner: PackedModelRunner, batch: ForwardBatch) -> float:
     start = time.perf_counter()
-    runner.execute(ForwardBatch([item]))
+    runner.execute(batch)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     return time.perf_counter() - start

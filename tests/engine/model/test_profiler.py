@@ -1,10 +1,12 @@
 """The start-up latency profile: every count measured, the fastest round kept, slow counts measured less often,
-the profile's blocks given back."""
+counts past the row kernels' limit spread over several sequences as a busy step holds them, the profile's blocks
+given back."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from engine.model import profiler
+from engine.model.attention_layout import MAX_PAGED_ROWS_QUERY_LEN
 from engine.model.packed_runner import PackedModelRunner
 from engine.model.paged_attention import PagedKVPool
 from scheduler.kv_blocks import KVBlockManager
@@ -17,12 +19,7 @@ NUM_BLOCKS = 512
 def test_profile_keeps_each_counts_fastest_round_and_frees_its_blocks(tiny_model_dir, monkeypatch, budget_s):
     """With no time budget each count is measured once; with an unbounded one, every round."""
     monkeypatch.setattr(profiler, "PROFILE_SECONDS_PER_COUNT", budget_s)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    config = model.config
-    head_dim = config.hidden_size // config.num_attention_heads
-    pool = PagedKVPool(config.num_hidden_layers, NUM_BLOCKS * BLOCK_SIZE, config.num_key_value_heads, head_dim,
-                       torch.float32, torch.device("cpu"))
-    runner = PackedModelRunner(model, torch.device("cpu"), pool, BLOCK_SIZE)
+    runner, config = _tiny_runner(tiny_model_dir, NUM_BLOCKS)
     blocks = KVBlockManager(NUM_BLOCKS, BLOCK_SIZE)
     measured: dict[int, list[float]] = {}
     forward_seconds = profiler._forward_seconds
@@ -38,3 +35,49 @@ def test_profile_keeps_each_counts_fastest_round_and_frees_its_blocks(tiny_model
         rounds = profiler.PROFILE_ROUNDS if budget_s else 1
         assert len(measured[n]) == rounds and seconds == min(measured[n]) > 0
     assert blocks.num_free_blocks == NUM_BLOCKS and not blocks.block_tables
+
+
+def _tiny_runner(model_dir: str, num_blocks: int):
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    pool = PagedKVPool(config.num_hidden_layers, num_blocks * BLOCK_SIZE, config.num_key_value_heads, head_dim,
+                       torch.float32, torch.device("cpu"))
+    return PackedModelRunner(model, torch.device("cpu"), pool, BLOCK_SIZE), config
+
+
+def _recorded_chain_lengths(runner, blocks, vocab_size, monkeypatch) -> dict[int, list[int]]:
+    """Each profiled count's chain lengths, one per sequence of its forward, and the blocks left after the profile."""
+    monkeypatch.setattr(profiler, "PROFILE_SECONDS_PER_COUNT", 0.0)
+    lengths: dict[int, list[int]] = {}
+    batch_seconds = profiler._batch_seconds
+
+    def recording(runner, batch):
+        lengths[sum(item.num_tokens for item in batch.items)] = [item.num_tokens for item in batch.items]
+        return batch_seconds(runner, batch)
+
+    monkeypatch.setattr(profiler, "_batch_seconds", recording)
+    profiler.profile_forward_latency(runner, blocks, vocab_size, max_model_len=1024)
+    return lengths
+
+
+def test_counts_past_the_row_kernels_limit_are_chains_of_several_sequences(tiny_model_dir, monkeypatch):
+    """128 and 256 tokens are 2 and 4 sequences' chains of 64 (a busy decoding step, which the row kernels attend
+    and a GPU replays as a graph), not one sequence's prefill chunk; 64 and fewer stay one chain."""
+    num_blocks = 4 * (profiler.PROFILE_CONTEXT_LEN + MAX_PAGED_ROWS_QUERY_LEN) // BLOCK_SIZE
+    runner, config = _tiny_runner(tiny_model_dir, num_blocks)
+    blocks = KVBlockManager(num_blocks, BLOCK_SIZE)
+    lengths = _recorded_chain_lengths(runner, blocks, config.vocab_size, monkeypatch)
+    assert lengths[64] == [64] and lengths[8] == [8]
+    assert lengths[128] == [MAX_PAGED_ROWS_QUERY_LEN] * 2 and lengths[256] == [MAX_PAGED_ROWS_QUERY_LEN] * 4
+    assert blocks.num_free_blocks == num_blocks and not blocks.block_tables
+
+
+def test_a_pool_too_small_for_every_sequence_profiles_on_fewer(tiny_model_dir, monkeypatch):
+    """A pool holding the context twice (not four times) spreads 256 tokens over two sequences, 128 each."""
+    num_blocks = 2 * (profiler.PROFILE_CONTEXT_LEN + 128) // BLOCK_SIZE
+    runner, config = _tiny_runner(tiny_model_dir, num_blocks)
+    blocks = KVBlockManager(num_blocks, BLOCK_SIZE)
+    lengths = _recorded_chain_lengths(runner, blocks, config.vocab_size, monkeypatch)
+    assert lengths[256] == [128, 128] and lengths[128] == [64, 64]
+    assert blocks.num_free_blocks == num_blocks and not blocks.block_tables
