@@ -3,6 +3,7 @@
 #   bash bench/gpu_session.sh roofline   # nvidia-smi, the gpu-marked tests, `specserve bench roofline`
 #   bash bench/gpu_session.sh default    # the default model's MT-Redundant run with every drafter and the HF peer
 #   bash bench/gpu_session.sh concurrency  # the default model's HTTP server under 1, 16, 64 clients
+#   bash bench/gpu_session.sh step-profile  # where the default model's decode and verify steps spend their time
 #   bash bench/gpu_session.sh pieces     # only installs the wheels and keeps the GGUF pieces a call carries
 # Python packages the machine lacks travel as wheels in .whl/ (installed into /tmp/site); the default model's GGUF
 # travels in pieces (.gpu/*/smol.part*), kept in /root/gguf-pieces between calls while the machine stays warm.
@@ -10,7 +11,7 @@
 # then one `run` carries .whl and .gpu/a with `pieces` (or `roofline`), each next one (within the 30 s the machine
 # stays warm) one more of .gpu/b, .gpu/c, ..., the last with `default` or `concurrency`.
 set -u
-stage=${1:?roofline, default, concurrency or pieces}
+stage=${1:?roofline, default, concurrency, step-profile or pieces}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out" /tmp/site /root/gguf-pieces
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site TOKENIZERS_PARALLELISM=false
@@ -51,6 +52,10 @@ concurrency)
     timeout "${CONCURRENCY_SECONDS:-200}" python3 -m specserve bench concurrency --device cuda --concurrency 1,16,64 \
         --limit 64 --max-new-tokens 128 --requests-per-client 2 --drafters "${DRAFTERS:-none,copyspec}" --peers '' \
         --out "$out/concurrency" 2>&1 | tee "$out/concurrency.log" | grep -v "it/s\]$" | tail -30
+    ;;
+step-profile)
+    timeout "${STEP_PROFILE_SECONDS:-200}" python3 -m specserve bench step-profile --device cuda --dtype float32 \
+        --out "$out/step-profile" 2>&1 | tee "$out/step-profile.log" | tail -12
     ;;
 pieces) ;;
 esac
