@@ -13,6 +13,10 @@ device and the ids back on the host (greedy requests verify from those, `Forward
 - `verify{k}_over_1`: the step with k = 1, 4, 16, 64 new tokens per request (all rows' logits kept), over k = 1;
 - `verify{k}_eager_seconds`, `verify{k}_sdpa_eager_seconds` (k = 1, 16): the same step without CUDA graphs, and
   with the SDPA backend (each step gathers the requests' keys and values into one padded copy) without them;
+- `attention_seconds`: the plain decoding step's attention alone (the Triton kernel over every layer, replayed as one
+  CUDA graph on a GPU so no launch is timed), against `attention_bound_seconds`, every request's KV over the copy
+  bandwidth: no attention kernel (flash-attn's included) can take the step below `step_seconds` minus their
+  difference;
 - `verify{k}_host_logits_over_argmax`: the step when every row's float32 logits go to the host (what a request that
   samples, processes logits or asks for log-probabilities still needs) over the step that sends argmax ids;
 - `hf_step_seconds`: transformers' `generate` with its static cache (compiled with torch.compile where the device is
@@ -34,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from engine.model.attention_layout import paged_rows
 from engine.model.forward import ForwardBatch, RowChoice, chain_item
 from engine.model.packed_runner import PackedModelRunner
 from engine.model.paged_attention import PagedKVPool, kv_shape, resolve_attention_backend
@@ -127,6 +132,7 @@ class StepBench:
         self.graphs = self.runners["served"].capture_graphs(spare_block, self.blocks_per_request, graph_max_tokens)
         self.device = device
         self.vocab = model.config.vocab_size
+        self.pool, self.heads, self.head_dim = pool, model.config.num_attention_heads, head_dim
 
     def batch(self, batch_size: int, new_tokens: int, argmax_only: bool = True) -> ForwardBatch:
         """B chain items of NEW_TOKENS after CONTEXT cached positions, every row's logits asked for (only their
@@ -152,6 +158,32 @@ class StepBench:
             return median_seconds(lambda: chosen.execute(batch), self.device)
         finally:
             chosen.graphs = graphs
+
+
+    def attention_seconds(self, batch_size: int) -> float | None:
+        """A plain decoding step's attention alone: the Triton kernel (engine/model/triton_attention.py) over every
+        layer for B rows of CONTEXT cached positions, captured into one CUDA graph on a GPU and replayed, so only the
+        kernels are timed; on a CPU only under Triton's interpreter (TRITON_INTERPRET=1, the tests), else None."""
+        if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return None
+        from engine.model.triton_attention import paged_rows_attention  # a GPU's kernel (or Triton's interpreter)
+
+        items = self.batch(batch_size, 1).items
+        rows = paged_rows(list(enumerate(items)), BLOCK_SIZE, self.device)
+        query = torch.randn(batch_size, self.heads, self.head_dim, dtype=self.pool.keys.dtype, device=self.device)
+        out = torch.empty_like(query)
+
+        def attend_every_layer() -> None:
+            for keys, values in zip(self.pool.layer_keys, self.pool.layer_values):
+                paged_rows_attention(query, keys, values, rows, self.head_dim ** -0.5, None, out, BLOCK_SIZE)
+
+        if self.device.type != "cuda":
+            return median_seconds(attend_every_layer, self.device)
+        attend_every_layer()  # compiles the kernels before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            attend_every_layer()
+        return median_seconds(graph.replay, self.device)
 
 
 def hf_step_seconds(model: torch.nn.Module, device: torch.device, batch_size: int, compile_: bool) -> float:
@@ -206,11 +238,14 @@ def measure_size(size: str, args, device: torch.device, dtype: torch.dtype, band
         host = {k: bench.seconds(batch_size, k, argmax_only=False) for k in (1, 16) if k in steps}
         eager = {k: bench.seconds(batch_size, k, eager=True) for k in (1, 16) if k in steps} if bench.graphs else {}
         sdpa = {k: bench.seconds(batch_size, k, runner="sdpa") for k in (1, 16) if k in steps}
-        bound = (weights + kv_bytes_read(model, batch_size, CONTEXT, dtype)) / bandwidth
+        kv_bytes = kv_bytes_read(model, batch_size, CONTEXT, dtype)
+        bound = (weights + kv_bytes) / bandwidth
         curve = {k: steps[k] / steps[1] for k in steps}
         row = {"model_size": size, "batch_size": batch_size, "context": CONTEXT, "weight_bytes": weights,
                "step_seconds": steps[1], "bound_seconds": bound, "fraction_of_roofline": bound / steps[1],
                **{f"verify{k}_over_1": round(curve[k], 4) for k in steps},
+               "attention_seconds": bench.attention_seconds(batch_size),
+               "attention_bound_seconds": kv_bytes / bandwidth,
                **{f"verify{k}_host_logits_over_argmax": round(host[k] / steps[k], 4) for k in host},
                "backend": bench.runners["served"].backend, "cuda_graphs": bench.graphs,
                **{f"verify{k}_eager_seconds": eager[k] for k in eager},
@@ -282,16 +317,18 @@ def markdown(results: dict) -> str:
              f"`{results['command']}`", "",
              f"Copy bandwidth {results['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; every request holds "
              f"{results['context']} cached positions.", "",
-             "| model | B | step ms | bound ms | of roofline | verify 4/16/64 over 1 | HF generate ms | "
-             "projected copyspec × |", "|---|---|---|---|---|---|---|---|"]
+             "| model | B | step ms | bound ms | of roofline | attention ms (its bound) | verify 4/16/64 over 1 | "
+             "HF generate ms | projected copyspec × |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results["summary"]:
         if "model_size" not in r:
             continue
         hf = f"{r['hf_step_seconds'] * 1e3:.2f}" if r["hf_step_seconds"] else "—"
         verify = " / ".join(f"{r[f'verify{k}_over_1']:.2f}" for k in (4, 16, 64) if f"verify{k}_over_1" in r)
+        attention = (f"{r['attention_seconds'] * 1e3:.3f} ({r['attention_bound_seconds'] * 1e3:.3f})"
+                     if r.get("attention_seconds") else "—")
         lines.append(f"| {r['model_size']} | {r['batch_size']} | {r['step_seconds'] * 1e3:.2f} | "
-                     f"{r['bound_seconds'] * 1e3:.2f} | {r['fraction_of_roofline']:.0%} | {verify} | {hf} | "
-                     f"{r.get('projected_copyspec_speedup', '—')} |")
+                     f"{r['bound_seconds'] * 1e3:.2f} | {r['fraction_of_roofline']:.0%} | {attention} | {verify} | "
+                     f"{hf} | {r.get('projected_copyspec_speedup', '—')} |")
     drafters = [r for r in results["summary"] if r.get("model") == "default"]
     if drafters:
         lines += ["", f"Default model, MT-Redundant turn 2 (`{results['default_model_command']}`):", "",

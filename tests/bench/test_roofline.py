@@ -29,6 +29,7 @@ def test_each_size_and_batch_gets_a_measured_row_with_its_bound(tiny_results):
         assert row["fraction_of_roofline"] == pytest.approx(row["bound_seconds"] / row["step_seconds"])
         assert row["verify1_over_1"] == 1.0 and row["verify4_over_1"] > 0 and row["verify16_over_1"] > 0
         assert row["verify16_host_logits_over_argmax"] > 0
+        assert row["attention_seconds"] > 0 and 0 < row["attention_bound_seconds"] < row["bound_seconds"]
         assert row["projected_copyspec_speedup"] > 0  # from the committed CPU MT-Redundant acceptance
     assert rows[0]["hf_step_seconds"] > 0 and rows[1]["hf_step_seconds"] is None  # transformers at batch 1 only
     assert json.loads((out / "results.json").read_text())["summary"] == rows
