@@ -44,6 +44,7 @@ from server.flags import config_as_argv
 
 ALL_DRAFTERS = ("none", "copyspec", "ngram", "spectra", "hf-greedy", "hf-pld", "llama-server", "llama-server-spec")
 PROMPT_LOOKUP_DRAFTERS = ("pld", "pld-plus")  # conversation benchmarks run them when named (bench spec-bench: always)
+MODEL_DRAFTERS = ("draft", "copyspec+draft")  # the draft model (the shipped head by default): run when named
 PEERS = ("transformers-serve", "llama-server", "llama-server-spec")
 SESSION_MODES = ("off", "explicit", "implicit", "responses")  # responses: previous_response_id (bench/sessions)
 DEFAULT_SESSION_MODES = ("off", "explicit", "implicit")
@@ -100,7 +101,7 @@ def add_limit_flag(parser: argparse.ArgumentParser, default_note: str = "all") -
 
 # --- conversations, turn by turn: mt-redundant, mt-bench, humaneval, gsm8k ----------------------------------------
 def add_mt_flags(parser: argparse.ArgumentParser) -> None:
-    add_drafters_flag(parser, extra=PROMPT_LOOKUP_DRAFTERS)
+    add_drafters_flag(parser, extra=PROMPT_LOOKUP_DRAFTERS + MODEL_DRAFTERS)
     add_limit_flag(parser)
     parser.add_argument("--per-category", type=int, default=None, help="first N questions of each category")
     parser.add_argument("--resume", action="store_true", help="keep rows already in OUT/results.json")

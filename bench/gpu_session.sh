@@ -45,7 +45,7 @@ roofline)
     ;;
 default)
     timeout "${DEFAULT_SECONDS:-300}" python3 -m specserve bench mt-redundant --device cuda \
-        --dtype float32 --drafters none,copyspec,ngram,spectra,pld,pld-plus,hf-pld --peer-turns 2 --limit "${LIMIT:-5}" \
+        --dtype float32 --drafters "${DRAFTERS:-none,copyspec,ngram,spectra,pld,pld-plus,draft,copyspec+draft,hf-pld}" --peer-turns 2 --limit "${LIMIT:-5}" \
         --out "$out/mt" 2>&1 | tee "$out/mt.log" | grep -v "it/s\]$" | tail -30
     ;;
 concurrency)
