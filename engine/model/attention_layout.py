@@ -348,17 +348,27 @@ class RowTable:
     positions: list[int] = field(default_factory=list)
 
     def add(self, query_start: int, item, block_size: int) -> None:
-        """The rows of forward ITEM (engine/model/forward.py), a chain or a tree of at most MAX_PAGED_ROWS_QUERY_LEN
-        new tokens, whose first row is packed row QUERY_START."""
+        """The rows of forward ITEM (engine/model/forward.py), a tree of at most MAX_PAGED_ROWS_QUERY_LEN new tokens
+        or a chain of any length, whose first row is packed row QUERY_START. A longer chain's rows go in groups of
+        MAX_PAGED_ROWS_QUERY_LEN, each row counting the earlier groups' entries as cached: every row's key and value
+        are in the pool before any row attends, and a chain's entries lie at their positions, as cached ones do."""
         table = item.block_table[:-(-item.context_len // block_size)]
-        masks = ancestor_masks(item.parents, item.num_tokens)
-        for row, mask in enumerate(masks):
-            self.row_index.append(query_start + row)
-            self.tables.append(table)
-            self.num_cached.append(item.num_cached)
-            self.key_end.append(item.num_cached + mask.bit_length())
-            self.ancestors.append(mask - (1 << 64) if mask >= 1 << 63 else mask)  # as a signed 64-bit integer
-            self.positions.append(item.positions[row])
+        if item.is_chain:
+            for row in range(item.num_tokens):
+                group_start = row - row % MAX_PAGED_ROWS_QUERY_LEN
+                self._add_row(query_start + row, table, item.num_cached + group_start,
+                              (1 << (row - group_start + 1)) - 1, item.positions[row])
+            return
+        for row, mask in enumerate(ancestor_masks(item.parents, item.num_tokens)):
+            self._add_row(query_start + row, table, item.num_cached, mask, item.positions[row])
+
+    def _add_row(self, packed_row: int, table: list[int], num_cached: int, mask: int, position: int) -> None:
+        self.row_index.append(packed_row)
+        self.tables.append(table)
+        self.num_cached.append(num_cached)
+        self.key_end.append(num_cached + mask.bit_length())
+        self.ancestors.append(mask - (1 << 64) if mask >= 1 << 63 else mask)  # as a signed 64-bit integer
+        self.positions.append(position)
 
     def padded_tables(self, pad_block: int = 0) -> list[list[int]]:
         """The rows' block tables, each padded with PAD_BLOCK to the widest."""

@@ -2,14 +2,15 @@
 
 On a GPU a decoding step of a small or mid-sized model is bound by launching its kernels from Python (hundreds per
 step), not by the GPU. At start-up the runner captures one graph per padded token count of a ladder (GRAPH_TOKEN_COUNTS
-up to --cuda-graph-max-tokens), the largest first, all in one memory pool. A step whose items are all causal chains of
-at most TRITON_MAX_QUERY_LEN new tokens or trees that short (whatever the Triton kernel attends,
-`PackedModelRunner.paged_rows_fit`), asking for no hidden-state or attention captures, whose token count fits the
+up to --cuda-graph-max-tokens), the largest first, all in one memory pool. A step whose items are all chains (prefill
+chunks included) or small trees the Triton kernel attends (`PackedModelRunner.paged_rows_fit`), asking for no
+hidden-state or attention captures, whose token count fits the
 ladder, copies its tokens, positions, slots and rows' attention metadata (block tables, cached counts, ancestor bits)
 into the graphs' static buffers and replays the smallest graph that holds it; its attention is the Triton kernel
 (engine/model/triton_attention.py), whose shapes are fixed once the rows' count and the block tables' width are. Rows
 past the step's own are padding: token 0 at position 0, its KV written to a spare block no sequence owns, attending
-to that one entry. Every other step (prefill chunks, captures) runs eagerly. A graph computes the logits of every
+to that one entry. Every other step (larger ones, trees the kernel cannot window, captures) runs eagerly. A graph
+computes the logits of every
 row; the step keeps those it asked for (verifier rows, then look-ahead rows, item by item).
 """
 from __future__ import annotations

@@ -45,7 +45,11 @@ from engine.sampler import greedy_token_tensor, inverse_cdf_tensor, target_probs
 # block table's slot, so every sequence, short runs of several requests included, is read in place wherever its
 # blocks lie (all of a step's in one C++ call, no keys copied).
 IN_PLACE_MIN_CONTEXT = 256
-TRITON_MAX_QUERY_LEN = MAX_PAGED_ROWS_QUERY_LEN  # chains and trees this short go through the Triton kernel
+TRITON_MAX_QUERY_LEN = MAX_PAGED_ROWS_QUERY_LEN  # trees this small go through the Triton kernel
+# Chains this long go through it too (prefill chunks included, so a step that holds one can replay a CUDA graph): each
+# row reads its keys itself, so a longer chunk, which reads every key once per row, goes to SDPA, whose kernels read
+# each key once per tile of rows.
+TRITON_MAX_CHAIN_LEN = 512
 
 
 class PackedModelRunner:
@@ -145,8 +149,8 @@ class PackedModelRunner:
     def _lay_out_paged_rows(
         self, packed: PackedBatch, items: list[ForwardItem], members: list[GroupMember]
     ) -> tuple[list[ForwardItem], list[GroupMember]]:
-        """The Triton kernel's rows: chains and trees of at most TRITON_MAX_QUERY_LEN new tokens (trees only where
-        every window is wider than that). Returns the items left to the other paths (prefill chunks)."""
+        """The Triton kernel's rows: the items `paged_rows_fit`. Returns the items left to the other paths (prefill
+        chunks longer than TRITON_MAX_CHAIN_LEN, trees it cannot window)."""
         kernel = [self.paged_rows_fit(item) for item in items]
         entries = [(member.query_start, item) for item, member, fits in zip(items, members, kernel) if fits]
         if entries:
@@ -155,10 +159,13 @@ class PackedModelRunner:
         return [items[i] for i in rest], [members[i] for i in rest]
 
     def paged_rows_fit(self, item: ForwardItem) -> bool:
-        """Whether the Triton kernel attends ITEM's rows (backend triton)."""
+        """Whether the Triton kernel attends ITEM's rows (backend triton): a chain of up to TRITON_MAX_CHAIN_LEN
+        tokens, or a tree of up to TRITON_MAX_QUERY_LEN where every window is wider than that (a node's new entries
+        are not at their positions, so a window cannot be applied to them)."""
+        if item.is_chain:
+            return item.num_tokens <= TRITON_MAX_CHAIN_LEN
         window = self.narrowest_window
-        return item.num_tokens <= TRITON_MAX_QUERY_LEN and (
-            item.is_chain or window is None or window > TRITON_MAX_QUERY_LEN)
+        return item.num_tokens <= TRITON_MAX_QUERY_LEN and (window is None or window > TRITON_MAX_QUERY_LEN)
 
     def _lay_out_trees(
         self, items: list[ForwardItem], members: list[GroupMember]

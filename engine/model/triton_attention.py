@@ -1,11 +1,13 @@
-"""Paged attention for short causal chains on a GPU (decoding, verifying chains of drafts): one Triton kernel reads
-each row's keys and values where they lie in the pool, through its sequence's block table, so nothing is gathered.
+"""Paged attention for causal chains and small draft trees on a GPU (decoding, verifying drafts, prefill chunks of up
+to `TRITON_MAX_CHAIN_LEN` tokens, engine/model/packed_runner.py): one Triton kernel reads each row's keys and values
+where they lie in the pool, through its sequence's block table, so nothing is gathered.
 
 A row is one new token: its query, its sequence's block table, the sequence's cached entries (all visible) and which
 of the step's new entries it sees (`ancestors`, a bit each: a chain's rows up to itself, a tree node's path; tree
-nodes' entries lie in list order after the cached ones, engine/model/forward.py). A layer's sliding window counts back
-from the row's position over the cached entries (whose KV indices are their positions); the new entries a row sees
-are within any window wider than MAX_PAGED_ROWS_QUERY_LEN, which the runner checks.
+nodes' entries lie in list order after the cached ones, engine/model/forward.py; a chain longer than that many bits
+counts its earlier rows as cached, engine/model/attention_layout.py). A layer's sliding window counts back from the
+row's position over the entries at their positions (cached ones, a chain's); a tree node's new entries are within any
+window wider than MAX_PAGED_ROWS_QUERY_LEN, which the runner checks.
 
 Programs per (row, KV head, split): each computes the query heads that share the KV head together, with an online
 softmax over tiles of keys in float32, over its split of the row's keys. One decoding row of an 8-KV-head model would

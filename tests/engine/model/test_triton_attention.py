@@ -1,7 +1,7 @@
-"""The Triton paged attention for short chains and trees (on a CPU through Triton's interpreter): each row attends its
+"""The Triton paged attention for chains and small trees (on a CPU through Triton's interpreter): each row attends its
 own sequence's cached keys where its block table puts them, within the layer's window, and of the step's new keys its
-tree ancestors and itself, for grouped-query heads; with trees and a long prefill chunk in the same steps, the runner's
-logits equal the SDPA backend's."""
+tree ancestors and itself, for grouped-query heads, chains longer than the ancestor bits included; with trees and
+prefill chunks (one past the kernel's chain limit) in the same steps, the runner's logits equal the SDPA backend's."""
 from __future__ import annotations
 
 import pytest
@@ -20,8 +20,8 @@ BLOCK_SIZE = 4
 
 
 def reference(query, keys, values, items, starts, scale, window):
-    """Each row's softmax(q k^T * scale) v over the entries it sees: its sequence's cached ones (the last WINDOW
-    positions of them before its own) and, of the step's new ones, its ancestors and itself."""
+    """Each row's softmax(q k^T * scale) v over the entries it sees: of its sequence's cached ones and the step's new
+    ones (its ancestors and itself), those within the last WINDOW entries up to its own position."""
     out = torch.zeros_like(query)
     group = query.shape[1] // keys.shape[1]
     for item, start in zip(items, starts):
@@ -30,7 +30,7 @@ def reference(query, keys, values, items, starts, scale, window):
         for row, mask in enumerate(ancestor_masks(item.parents, item.num_tokens)):
             low = max(0, item.positions[row] - window + 1) if window else 0
             seen = [i for i in range(low, item.num_cached)] + [
-                item.num_cached + j for j in range(item.num_tokens) if mask >> j & 1]
+                item.num_cached + j for j in range(item.num_tokens) if mask >> j & 1 and item.num_cached + j >= low]
             for head in range(query.shape[1]):
                 scores = query[start + row, head].double() @ k[seen, head // group].T * scale
                 out[start + row, head] = (torch.softmax(scores, -1) @ v[seen, head // group]).float()
@@ -60,6 +60,27 @@ def test_rows_attend_what_they_see_wherever_their_blocks_lie(window, processors,
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 9, 100])
+def test_a_chain_longer_than_the_ancestor_bits_equals_the_reference(window):
+    """A prefill chunk of 150 tokens after 20 cached ones, beside a decoding row: its rows past the first 64 count the
+    earlier ones as cached, within any window."""
+    from engine.model import triton_attention
+
+    generator = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, num_blocks = 4, 2, 16, 60
+    keys, values = (torch.randn(num_blocks * BLOCK_SIZE, kv_heads, head_dim, generator=generator).to(DEVICE)
+                    for _ in range(2))
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    items = [chain_item([0], 12, order[:4], BLOCK_SIZE), chain_item([0] * 150, 20, order[4:47], BLOCK_SIZE, 150)]
+    starts = [0, 1]
+    query = torch.randn(151, heads, head_dim, generator=generator).to(DEVICE)
+    out = torch.full_like(query, float("nan"))
+    triton_attention.paged_rows_attention(query, keys, values, paged_rows(list(zip(starts, items)), BLOCK_SIZE,
+                                          query.device), 0.3, window, out, BLOCK_SIZE)
+    expected = reference(query.cpu(), keys.cpu(), values.cpu(), items, starts, 0.3, window)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("window", [None, 150])
 def test_a_long_row_split_over_its_keys_equals_the_reference(window, monkeypatch):
     """Rows of a few hundred keys spread over every split (some empty, some before the window) and are recombined;
@@ -83,7 +104,15 @@ def test_a_long_row_split_over_its_keys_equals_the_reference(window, monkeypatch
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_the_triton_backend_gives_the_sdpa_backends_logits_beside_a_tree_and_a_prefill(tiny_model_dir):
+@pytest.mark.parametrize("max_chain_len", [512, 16], ids=["prefill-in-kernel", "prefill-in-sdpa"])
+def test_the_triton_backend_gives_the_sdpa_backends_logits_beside_a_tree_and_a_prefill(
+    tiny_model_dir, max_chain_len, monkeypatch
+):
+    """The 38-token prefill chunk goes through the Triton kernel, or (past a chain limit of 16) through SDPA beside
+    the kernel's rows in the same step."""
+    from engine.model import packed_runner
+
+    monkeypatch.setattr(packed_runner, "TRITON_MAX_CHAIN_LEN", max_chain_len)
     logits = {}
     for backend in ("sdpa", "triton"):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(DEVICE).eval()
