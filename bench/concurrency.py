@@ -42,6 +42,8 @@ SPEC_COUNTERS = {
     "accepted": "specserve:spec_decode_num_accepted_tokens_total",
     "offered": "specserve:spec_decode_num_offered_tokens_total",
     "verified": "specserve:spec_decode_num_verified_tokens_total",
+    "steps": "specserve:engine_step_seconds_count",
+    "step_seconds": "specserve:engine_step_seconds_sum",
 }
 # The peer runs with no hub: everything it loads is local, and the CLI's PyPI update check is off.
 PEER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1",
@@ -207,10 +209,12 @@ def summary_row(
     ttfts = sorted(t.ttft_s for t in timings)
     tokens = sum(t.completion_tokens for t in timings)
     if spec is None:
-        acceptance = drafted = verified = None
+        acceptance = drafted = verified = step_ms = busy = None
     else:  # no drafts at all (drafter none): every step yields one token
         acceptance = round(1 + spec["accepted"] / spec["drafts"], 3) if spec["drafts"] else 1.0
         drafted, verified = int(spec["offered"]), int(spec["verified"])
+        step_ms = round(1000 * spec["step_seconds"] / spec["steps"], 3) if spec["steps"] else None
+        busy = round(spec["step_seconds"] / seconds, 3)
     return {
         "concurrency": concurrency, "server": under_test.server, "drafter": under_test.drafter,
         "num_requests": len(timings), "completion_tokens": tokens, "seconds": round(seconds, 3),
@@ -221,6 +225,8 @@ def summary_row(
         "mean_acceptance_length": acceptance,
         "drafted_tokens": drafted,
         "verified_draft_tokens": verified,
+        "engine_step_ms": step_ms,  # the engine's mean step, and the share of the level's wall time it stepped:
+        "engine_busy_fraction": busy,  # well under 1 where the server, not the engine, bounds the throughput
     }
 
 
@@ -325,13 +331,14 @@ def _cell(value, spec: str = "") -> str:
 def markdown_report(rows: list[dict], ratios: list[dict], command: str, workload: str = WORKLOADS[0]) -> str:
     lines = [f"# Concurrency, {workload}", "", ORDER_NOTE, "", f"Command: `{command}`", "",
              "| concurrency | server | drafter | tok/s | TTFT p50 s | TTFT p99 s | ITL p50 s "
-             "| τ | drafted | verified |",
-             "|" + "---|" * 10]
+             "| τ | drafted | verified | engine step ms | engine busy |",
+             "|" + "---|" * 12]
     for r in rows:
         lines.append(f"| {r['concurrency']} | {r['server']} | {r['drafter']} | {r['tokens_per_s']:.1f} | "
                      f"{r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['itl_p50_s']:.3f} | "
                      f"{_cell(r['mean_acceptance_length'], '.2f')} | {_cell(r['drafted_tokens'])} | "
-                     f"{_cell(r['verified_draft_tokens'])} |")
+                     f"{_cell(r['verified_draft_tokens'])} | {_cell(r.get('engine_step_ms'), '.2f')} | "
+                     f"{_cell(r.get('engine_busy_fraction'), '.0%')} |")
     columns = list(dict.fromkeys(f"{q['numerator']} ÷ {q['denominator']}" for q in ratios))
     if columns:
         cells = {(q["concurrency"], f"{q['numerator']} ÷ {q['denominator']}"): q["ratio"] for q in ratios}

@@ -32,7 +32,8 @@ from bench.concurrency import (
 from bench.server_process import free_port, start_process, stop_server
 from engine.model.model_source import ModelSource
 
-SPEC_KEYS = ("mean_acceptance_length", "drafted_tokens", "verified_draft_tokens")
+SPEC_KEYS = ("mean_acceptance_length", "drafted_tokens", "verified_draft_tokens", "engine_step_ms",
+             "engine_busy_fraction")
 # A stand-in OpenAI server: /health answers 200, no /metrics; each chat request appends its `model` to LOG (and its
 # session header and max_tokens to LOG.sessions and LOG.max_tokens) and streams two tokens.
 STAND_IN_SERVER = """
@@ -76,7 +77,8 @@ def timings() -> list[RequestTiming]:
 
 
 def row(concurrency: int, server: str, drafter: str, tokens_per_s: float) -> dict:
-    spec = None if server != "specserve" else {"drafts": 0.0, "accepted": 0.0, "offered": 0.0, "verified": 0.0}
+    spec = None if server != "specserve" else {"drafts": 0.0, "accepted": 0.0, "offered": 0.0, "verified": 0.0,
+                                               "steps": 0.0, "step_seconds": 0.0}
     return {**summary_row(under_test(server, drafter), concurrency, timings(), 1.0, spec), "tokens_per_s": tokens_per_s}
 
 
@@ -89,11 +91,12 @@ def test_summary_row_of_a_peer_has_null_speculative_columns():
     json.dumps(result, allow_nan=False)
 
 
-def test_summary_row_of_specserve_counts_drafts():
-    spec = {"drafts": 4.0, "accepted": 6.0, "offered": 20.0, "verified": 12.0}
-    result = summary_row(under_test("specserve", "copyspec"), 1, timings(), 1.0, spec)
+def test_summary_row_of_specserve_counts_drafts_and_engine_steps():
+    spec = {"drafts": 4.0, "accepted": 6.0, "offered": 20.0, "verified": 12.0, "steps": 8.0, "step_seconds": 0.4}
+    result = summary_row(under_test("specserve", "copyspec"), 1, timings(), 2.0, spec)
     assert result["mean_acceptance_length"] == 2.5
     assert (result["drafted_tokens"], result["verified_draft_tokens"]) == (20, 12)
+    assert result["engine_step_ms"] == 50.0 and result["engine_busy_fraction"] == 0.2  # 0.4 s of 2 s stepping
     plain = summary_row(under_test("specserve", "none"), 1, timings(), 1.0, dict.fromkeys(spec, 0.0))
     assert (plain["mean_acceptance_length"], plain["drafted_tokens"], plain["verified_draft_tokens"]) == (1.0, 0, 0)
 
