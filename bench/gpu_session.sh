@@ -7,7 +7,8 @@
 #   bash bench/gpu_session.sh pieces     # only installs the wheels and keeps the GGUF pieces a call carries
 # Python packages the machine lacks travel as wheels in .whl/ (installed into /tmp/site); the default model's GGUF
 # travels in pieces (.gpu/*/smol.part*), kept in /root/gguf-pieces between calls while the machine stays warm.
-# Results go under $OUT (at most 8 files come back per call). bench/gpu_prepare.sh makes .whl/ and .gpu/ here first;
+# ENGINE_FLAGS (say --cuda-graph-max-tokens 512) go to the default and concurrency stages' engines; DRAFTERS replaces
+# their drafter lists. Results go under $OUT (at most 8 files come back per call). bench/gpu_prepare.sh makes .whl/ and .gpu/ here first;
 # then one `run` carries .whl and .gpu/a with `pieces` (or `roofline`), each next one (within the 30 s the machine
 # stays warm) one more of .gpu/b, .gpu/c, ..., the last with `default` or `concurrency`.
 set -u
@@ -44,12 +45,12 @@ roofline)
         --out "$out/roofline" 2>&1 | tee "$out/roofline.log" | grep -v "^{" | tail -25
     ;;
 default)
-    timeout "${DEFAULT_SECONDS:-300}" python3 -m specserve bench mt-redundant --device cuda \
+    timeout "${DEFAULT_SECONDS:-300}" python3 -m specserve bench mt-redundant --device cuda ${ENGINE_FLAGS:-} \
         --dtype float32 --drafters "${DRAFTERS:-none,copyspec,ngram,spectra,pld,pld-plus,draft,copyspec+draft,hf-pld}" --peer-turns 2 --limit "${LIMIT:-5}" \
         --out "$out/mt" 2>&1 | tee "$out/mt.log" | grep -v "it/s\]$" | tail -30
     ;;
 concurrency)
-    timeout "${CONCURRENCY_SECONDS:-200}" python3 -m specserve bench concurrency --device cuda --concurrency 1,16,64 \
+    timeout "${CONCURRENCY_SECONDS:-200}" python3 -m specserve bench concurrency --device cuda ${ENGINE_FLAGS:-} --concurrency 1,16,64 \
         --limit 64 --max-new-tokens 128 --requests-per-client 2 --drafters "${DRAFTERS:-none,copyspec}" --peers '' \
         --out "$out/concurrency" 2>&1 | tee "$out/concurrency.log" | grep -v "it/s\]$" | tail -30
     ;;
