@@ -1,6 +1,7 @@
 """CUDA graphs' static buffers, run eagerly on the CPU (the capture itself needs a GPU: the `gpu` tests in
 tests/engine/test_engine.py): a step of short chains copied into the buffers, padded up to the ladder's size, gives
-the eager runner's logits; what a graph cannot compute runs eagerly."""
+the eager runner's logits, a prefill chunk past the ancestor bits the SDPA backend's; what a graph cannot compute
+runs eagerly."""
 from __future__ import annotations
 
 import pytest
@@ -29,12 +30,12 @@ class EagerReplay:
         self.logits.copy_(self.graphs._forward(self.size))
 
 
-def runner_with_pool(tiny_model_dir) -> PackedModelRunner:
+def runner_with_pool(tiny_model_dir, backend: str = "triton") -> PackedModelRunner:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(DEVICE).eval()
     config = model.config
     pool = PagedKVPool(config.num_hidden_layers, (NUM_BLOCKS + 1) * BLOCK_SIZE, config.num_key_value_heads,
                        config.hidden_size // config.num_attention_heads, torch.float32, DEVICE)
-    return PackedModelRunner(model, DEVICE, pool, BLOCK_SIZE, "triton")
+    return PackedModelRunner(model, DEVICE, pool, BLOCK_SIZE, backend)
 
 
 @pytest.fixture
@@ -94,3 +95,26 @@ def test_captures_and_long_items_run_eagerly(runners):
     too_many = chain_item(list(range(9)), 0, blocks.grow("d", 9), BLOCK_SIZE)
     for item in (captured, too_many):
         assert not graphs.fits(ForwardBatch([item]))
+
+
+def test_a_prefill_chunk_past_the_ancestor_bits_replays_a_graph(tiny_model_dir):
+    """A 70-token prompt beside a decoding row fits a ladder of up to 128 tokens (padded to 96) and gives the SDPA
+    backend's logits: its rows past 64 count the earlier ones as cached."""
+    eager, graphed = runner_with_pool(tiny_model_dir, "sdpa"), runner_with_pool(tiny_model_dir)
+    graphs = CudaGraphs(graphed.decoder, graphed.pool, BLOCK_SIZE, NUM_BLOCKS, NUM_BLOCKS, DEVICE, 128,
+                        graphed.paged_rows_fit)
+    for size in graphs.sizes:
+        logits = torch.empty(size, graphed.model.config.vocab_size, device=DEVICE)
+        graphs.graphs[size] = (EagerReplay(graphs, size, logits), logits)
+    graphed.graphs = graphs
+    blocks = KVBlockManager(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    first = [chain_item([1, 30, 31], 0, blocks.grow("b", 3), BLOCK_SIZE)]
+    for runner in (eager, graphed):
+        runner.execute(ForwardBatch(first))
+    prompt = [1] + [(7 * i) % 25 + 3 for i in range(69)]
+    step = ForwardBatch([chain_item(prompt, 0, blocks.grow("a", len(prompt)), BLOCK_SIZE, 2),
+                         chain_item([11], 3, blocks.grow("b", 4), BLOCK_SIZE)])
+    assert graphs.fits(step)
+    expected, got = eager.execute(step), graphed.execute(step)
+    for e, g in zip(expected.logits, got.logits):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
