@@ -4,6 +4,8 @@ tree ancestors and itself, for grouped-query heads, chains longer than the ances
 prefill chunks (one past the kernel's chain limit) in the same steps, the runner's logits equal the SDPA backend's."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -37,48 +39,43 @@ def reference(query, keys, values, items, starts, scale, window):
     return out
 
 
+def attends_like_the_reference(seed, heads, kv_heads, head_dim, num_blocks, make_items, scale, window):
+    """The kernel over the items MAKE_ITEMS(order) builds on random keys and values in NUM_BLOCKS blocks scattered
+    through the pool (ORDER: a random permutation of them), packed one after another, equals `reference`."""
+    from engine.model import triton_attention
+
+    generator = torch.Generator().manual_seed(seed)
+    keys, values = (torch.randn(num_blocks * BLOCK_SIZE, kv_heads, head_dim, generator=generator).to(DEVICE)
+                    for _ in range(2))
+    items = make_items(torch.randperm(num_blocks, generator=generator).tolist())
+    starts = list(itertools.accumulate((item.num_tokens for item in items), initial=0))
+    query = torch.randn(starts.pop(), heads, head_dim, generator=generator).to(DEVICE)
+    out = torch.full_like(query, float("nan"))
+    triton_attention.paged_rows_attention(query, keys, values, paged_rows(list(zip(starts, items)), BLOCK_SIZE,
+                                          query.device), scale, window, out, BLOCK_SIZE)
+    expected = reference(query.cpu(), keys.cpu(), values.cpu(), items, starts, scale, window)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("processors", [8, 64], ids=["one-pass", "split"])  # 16 rows x 2 KV heads: 2 splits
 @pytest.mark.parametrize("window", [None, 9])
 def test_rows_attend_what_they_see_wherever_their_blocks_lie(window, processors, monkeypatch):
     from engine.model import triton_attention
 
     monkeypatch.setattr(triton_attention, "INTERPRETER_PROCESSORS", processors)
-    generator = torch.Generator().manual_seed(3)
-    heads, kv_heads, head_dim, num_blocks = 6, 2, 24, 40  # head_dim not a power of two: masked lanes
-    keys, values = (torch.randn(num_blocks * BLOCK_SIZE, kv_heads, head_dim, generator=generator).to(DEVICE)
-                    for _ in range(2))
-    order = torch.randperm(num_blocks, generator=generator).tolist()  # blocks scattered through the pool
-    items = [chain_item([0], 36, order[:10], BLOCK_SIZE), chain_item([0] * 4, 66, order[10:28], BLOCK_SIZE, 4),
-             tree_item([0] * 5, [-1, 0, 0, -1, 1], 30, order[28:37], BLOCK_SIZE, [0, 1, 2, 3, 4]),
-             chain_item([0] * 2, 0, order[37:38], BLOCK_SIZE, 2)]  # nothing cached
-    starts = [0, 1, 5, 10]
-    query = torch.randn(12, heads, head_dim, generator=generator).to(DEVICE)
-    out = torch.full_like(query, float("nan"))
-    triton_attention.paged_rows_attention(query, keys, values, paged_rows(list(zip(starts, items)), BLOCK_SIZE,
-                                          query.device), 0.2, window, out, BLOCK_SIZE)
-    expected = reference(query.cpu(), keys.cpu(), values.cpu(), items, starts, 0.2, window)
-    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
+    attends_like_the_reference(3, 6, 2, 24, 40, lambda order: [  # head_dim 24, not a power of two: masked lanes
+        chain_item([0], 36, order[:10], BLOCK_SIZE), chain_item([0] * 4, 66, order[10:28], BLOCK_SIZE, 4),
+        tree_item([0] * 5, [-1, 0, 0, -1, 1], 30, order[28:37], BLOCK_SIZE, [0, 1, 2, 3, 4]),
+        chain_item([0] * 2, 0, order[37:38], BLOCK_SIZE, 2)], 0.2, window)  # the last: nothing cached
 
 
 @pytest.mark.parametrize("window", [None, 9, 100])
 def test_a_chain_longer_than_the_ancestor_bits_equals_the_reference(window):
     """A prefill chunk of 150 tokens after 20 cached ones, beside a decoding row: its rows past the first 64 count the
     earlier ones as cached, within any window."""
-    from engine.model import triton_attention
-
-    generator = torch.Generator().manual_seed(5)
-    heads, kv_heads, head_dim, num_blocks = 4, 2, 16, 60
-    keys, values = (torch.randn(num_blocks * BLOCK_SIZE, kv_heads, head_dim, generator=generator).to(DEVICE)
-                    for _ in range(2))
-    order = torch.randperm(num_blocks, generator=generator).tolist()
-    items = [chain_item([0], 12, order[:4], BLOCK_SIZE), chain_item([0] * 150, 20, order[4:47], BLOCK_SIZE, 150)]
-    starts = [0, 1]
-    query = torch.randn(151, heads, head_dim, generator=generator).to(DEVICE)
-    out = torch.full_like(query, float("nan"))
-    triton_attention.paged_rows_attention(query, keys, values, paged_rows(list(zip(starts, items)), BLOCK_SIZE,
-                                          query.device), 0.3, window, out, BLOCK_SIZE)
-    expected = reference(query.cpu(), keys.cpu(), values.cpu(), items, starts, 0.3, window)
-    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
+    attends_like_the_reference(5, 4, 2, 16, 60, lambda order: [
+        chain_item([0], 12, order[:4], BLOCK_SIZE), chain_item([0] * 150, 20, order[4:47], BLOCK_SIZE, 150)],
+        0.3, window)
 
 
 @pytest.mark.parametrize("window", [None, 150])
@@ -89,19 +86,9 @@ def test_a_long_row_split_over_its_keys_equals_the_reference(window, monkeypatch
 
     monkeypatch.setattr(triton_attention, "INTERPRETER_PROCESSORS", 1024)  # 4 rows: 16 splits, as at batch 1 on a GPU
     assert triton_attention.num_splits(4, 1, torch.device("cpu")) == triton_attention.MAX_SPLITS
-    generator = torch.Generator().manual_seed(4)
-    heads, kv_heads, head_dim, num_blocks = 4, 1, 16, 180
-    keys, values = (torch.randn(num_blocks * BLOCK_SIZE, kv_heads, head_dim, generator=generator).to(DEVICE)
-                    for _ in range(2))
-    order = torch.randperm(num_blocks, generator=generator).tolist()
-    items = [chain_item([0] * 3, 500, order[:126], BLOCK_SIZE, 3), chain_item([0], 200, order[126:177], BLOCK_SIZE)]
-    starts = [0, 3]
-    query = torch.randn(4, heads, head_dim, generator=generator).to(DEVICE)
-    out = torch.full_like(query, float("nan"))
-    triton_attention.paged_rows_attention(query, keys, values, paged_rows(list(zip(starts, items)), BLOCK_SIZE,
-                                          query.device), 0.2, window, out, BLOCK_SIZE)
-    expected = reference(query.cpu(), keys.cpu(), values.cpu(), items, starts, 0.2, window)
-    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
+    attends_like_the_reference(4, 4, 1, 16, 180, lambda order: [
+        chain_item([0] * 3, 500, order[:126], BLOCK_SIZE, 3), chain_item([0], 200, order[126:177], BLOCK_SIZE)],
+        0.2, window)
 
 
 @pytest.mark.parametrize("max_chain_len", [512, 16], ids=["prefill-in-kernel", "prefill-in-sdpa"])
