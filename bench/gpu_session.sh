@@ -8,9 +8,9 @@
 # Python packages the machine lacks travel as wheels in .whl/ (installed into /tmp/site); the default model's GGUF
 # travels in pieces (.gpu/*/smol.part*), kept in /root/gguf-pieces between calls while the machine stays warm.
 # ENGINE_FLAGS (say --cuda-graph-max-tokens 512) go to the default and concurrency stages' engines; DRAFTERS replaces
-# their drafter lists. Results go under $OUT (at most 8 files come back per call). bench/gpu_prepare.sh makes .whl/ and .gpu/ here first;
-# then one `run` carries .whl and .gpu/a with `pieces` (or `roofline`), each next one (within the 30 s the machine
-# stays warm) one more of .gpu/b, .gpu/c, ..., the last with `default` or `concurrency`.
+# their drafter lists. Results go under $OUT (at most 8 files come back per call). bench/gpu_prepare.sh makes .whl/
+# and .gpu/ here first; then one `run` carries .whl and .gpu/a with `pieces` (or `roofline`), each next one (within
+# the 30 s the machine stays warm) one more of .gpu/b, .gpu/c, ..., the last with `default` or `concurrency`.
 set -u
 stage=${1:?roofline, default, concurrency, step-profile or pieces}
 out=${OUT:-/tmp/gpu-out}

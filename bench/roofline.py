@@ -159,7 +159,6 @@ class StepBench:
         finally:
             chosen.graphs = graphs
 
-
     def attention_seconds(self, batch_size: int) -> float | None:
         """A plain decoding step's attention alone: the Triton kernel (engine/model/triton_attention.py) over every
         layer for B rows of CONTEXT cached positions, captured into one CUDA graph on a GPU and replayed, so only the

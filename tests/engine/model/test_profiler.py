@@ -47,7 +47,7 @@ def _tiny_runner(model_dir: str, num_blocks: int):
 
 
 def _recorded_chain_lengths(runner, blocks, vocab_size, monkeypatch) -> dict[int, list[int]]:
-    """Each profiled count's chain lengths, one per sequence of its forward, and the blocks left after the profile."""
+    """Each profiled count's chain lengths, one per sequence of its forward (every count measured once)."""
     monkeypatch.setattr(profiler, "PROFILE_SECONDS_PER_COUNT", 0.0)
     lengths: dict[int, list[int]] = {}
     batch_seconds = profiler._batch_seconds
