@@ -96,15 +96,21 @@ def _sequence_id(index: int) -> str:
 def _profile_sequences(
     runner: PackedModelRunner, blocks: KVBlockManager, context: list[int], context_len: int, num_sequences: int
 ) -> list[list[int]]:
-    """Block tables of NUM_SEQUENCES profile sequences (fewer, at least one, where the pool lacks the blocks), each
-    holding CONTEXT's first CONTEXT_LEN tokens in its KV and room for its share of the rest of CONTEXT."""
-    num_new = len(context) - context_len
-    while num_sequences > 1 and blocks.blocks_needed(context_len + -(-num_new // num_sequences)) * num_sequences \
-            > blocks.num_free_blocks:
-        num_sequences -= 1
-    length = context_len + -(-num_new // num_sequences)
-    tables = [blocks.grow(_sequence_id(index), length) for index in range(num_sequences)]
-    runner.execute(ForwardBatch([chain_item(context[:context_len], 0, table, blocks.block_size) for table in tables]))
+    """Block tables of NUM_SEQUENCES profile sequences, each holding CONTEXT's first CONTEXT_LEN tokens in its KV and
+    room for its share of the rest of CONTEXT. The first prefills the context; the others share its whole blocks (a
+    reused prefix, as sessions share them) and prefill only what is left of the context past them, so start-up pays
+    for one prefill whatever the count."""
+    length = context_len + -(-(len(context) - context_len) // num_sequences)
+    first = blocks.grow(_sequence_id(0), length)
+    runner.execute(ForwardBatch([chain_item(context[:context_len], 0, first, blocks.block_size)]))
+    shared = context_len // blocks.block_size * blocks.block_size
+    tables = [first]
+    for index in range(1, num_sequences):
+        blocks.share(_sequence_id(index), first[:shared // blocks.block_size])
+        tables.append(blocks.grow(_sequence_id(index), length))
+    if shared < context_len and len(tables) > 1:
+        runner.execute(ForwardBatch([chain_item(context[shared:context_len], shared, table, blocks.block_size)
+                                     for table in tables[1:]]))
     return tables
 
 

@@ -61,23 +61,25 @@ def _recorded_chain_lengths(runner, blocks, vocab_size, monkeypatch) -> dict[int
     return lengths
 
 
-def test_counts_past_the_row_kernels_limit_are_chains_of_several_sequences(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("context_len", [profiler.PROFILE_CONTEXT_LEN, 510])  # whole blocks, and 2 positions short
+def test_counts_past_the_row_kernels_limit_are_chains_of_several_sequences(tiny_model_dir, monkeypatch, context_len):
     """128 and 256 tokens are 2 and 4 sequences' chains of 64 (a busy decoding step, which the row kernels attend
-    and a GPU replays as a graph), not one sequence's prefill chunk; 64 and fewer stay one chain."""
-    num_blocks = 4 * (profiler.PROFILE_CONTEXT_LEN + MAX_PAGED_ROWS_QUERY_LEN) // BLOCK_SIZE
+    and a GPU replays as a graph), not one sequence's prefill chunk; 64 and fewer stay one chain. The context is
+    prefilled once, the other sequences sharing its whole blocks (and prefilling the rest of a partial one)."""
+    monkeypatch.setattr(profiler, "PROFILE_CONTEXT_LEN", context_len)
+    num_blocks = 2 * (profiler.PROFILE_CONTEXT_LEN + 256) // BLOCK_SIZE
     runner, config = _tiny_runner(tiny_model_dir, num_blocks)
     blocks = KVBlockManager(num_blocks, BLOCK_SIZE)
+    prefilled = []
+    execute = runner.execute
+
+    def recording(batch):
+        prefilled.extend(item.num_tokens for item in batch.items if item.num_cached < context_len)
+        return execute(batch)
+
+    monkeypatch.setattr(runner, "execute", recording)
     lengths = _recorded_chain_lengths(runner, blocks, config.vocab_size, monkeypatch)
     assert lengths[64] == [64] and lengths[8] == [8]
     assert lengths[128] == [MAX_PAGED_ROWS_QUERY_LEN] * 2 and lengths[256] == [MAX_PAGED_ROWS_QUERY_LEN] * 4
-    assert blocks.num_free_blocks == num_blocks and not blocks.block_tables
-
-
-def test_a_pool_too_small_for_every_sequence_profiles_on_fewer(tiny_model_dir, monkeypatch):
-    """A pool holding the context twice (not four times) spreads 256 tokens over two sequences, 128 each."""
-    num_blocks = 2 * (profiler.PROFILE_CONTEXT_LEN + 128) // BLOCK_SIZE
-    runner, config = _tiny_runner(tiny_model_dir, num_blocks)
-    blocks = KVBlockManager(num_blocks, BLOCK_SIZE)
-    lengths = _recorded_chain_lengths(runner, blocks, config.vocab_size, monkeypatch)
-    assert lengths[256] == [128, 128] and lengths[128] == [64, 64]
+    assert prefilled == [context_len] + [context_len % BLOCK_SIZE] * 3 * bool(context_len % BLOCK_SIZE)
     assert blocks.num_free_blocks == num_blocks and not blocks.block_tables
