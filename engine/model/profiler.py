@@ -12,7 +12,7 @@ import time
 import torch
 
 from engine.model.attention_layout import MAX_PAGED_ROWS_QUERY_LEN
-from engine.model.forward import ForwardBatch, ForwardItem, chain_item, tree_item
+from engine.model.forward import ForwardBatch, chain_item, tree_item
 from engine.model.packed_runner import PackedModelRunner
 from scheduler.kv_blocks import KVBlockManager
 
@@ -77,8 +77,8 @@ def profile_path_seconds(
         tree = tree_item(
             drafted, _branches(PROFILE_TREE_PATHS, PROFILE_PATH_LEN), context_len, table, runner.block_size, rows
         )
-        chain_s = min(_item_seconds(runner, chain) for _ in range(PROFILE_PATH_ROUNDS))
-        tree_s = min(_item_seconds(runner, tree) for _ in range(PROFILE_PATH_ROUNDS))
+        chain_s = min(_batch_seconds(runner, ForwardBatch([chain])) for _ in range(PROFILE_PATH_ROUNDS))
+        tree_s = min(_batch_seconds(runner, ForwardBatch([tree])) for _ in range(PROFILE_PATH_ROUNDS))
         return max(tree_s - chain_s, 0.0) / (PROFILE_TREE_PATHS - 1) / context_len
     finally:
         blocks.free(PROFILE_REQUEST_ID)
@@ -124,15 +124,11 @@ def _forward_seconds(
 ) -> float:
     """Seconds of one forward of NUM_TOKENS new tokens after CONTEXT_LEN cached ones, spread evenly over as many of
     the profile's sequences (TABLES) as keep each chain within MAX_PAGED_ROWS_QUERY_LEN tokens."""
-    num_sequences = min(_num_sequences(num_tokens), len(tables))
+    num_sequences = _num_sequences(num_tokens)
     sizes = [num_tokens // num_sequences + (index < num_tokens % num_sequences) for index in range(num_sequences)]
     items = [chain_item(context[context_len:context_len + size], context_len, table, runner.block_size, size)
              for size, table in zip(sizes, tables)]
     return _batch_seconds(runner, ForwardBatch(items))
-
-
-def _item_seconds(runner: PackedModelRunner, item: ForwardItem) -> float:
-    return _batch_seconds(runner, ForwardBatch([item]))
 
 
 def _batch_seconds(runner: PackedModelRunner, batch: ForwardBatch) -> float:
