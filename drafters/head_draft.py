@@ -133,6 +133,13 @@ class HeadDrafter(ModelDrafter):
             drafting = [req for req in drafting if len(drafted[req.request_id]) < budgets[req.request_id]]
         return drafted, probs
 
+    def _draw(self, req: DraftableRequest, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """As a draft model draws from LOGITS [draft vocab], widened to the target's vocabulary only where q is
+        asked: a greedy request without a companion takes the draft argmax's target id."""
+        if req.sampling.greedy and not self.companion:
+            return int(self.forward.target_ids[int(logits.argmax())]), None
+        return super()._draw(req, self.forward.target_logits(logits))
+
     def _catch_up(self, req: DraftableRequest) -> tuple[tuple[str, list[int], int], torch.Tensor]:
         """The chain of the request's tokens the head has not read, and the target's states they read (unfused)."""
         kv, end = self._kv[req.request_id], len(req.all_token_ids)

@@ -27,6 +27,7 @@ attention skips them, nothing frees them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -175,6 +176,8 @@ def query_mask(
     """[num_rows, num_keys] bool for one sequence, a chain or (given its ANCESTORS) a tree; rows past its queries
     copy its first (their output is dropped)."""
     num_cached = member.context_len - member.query_len
+    if ancestors is None and num_rows == member.query_len:  # a chain: each row sees the keys up to its own
+        return torch.arange(num_keys) <= torch.arange(num_cached, member.context_len)[:, None]
     mask = torch.zeros(num_rows, num_keys, dtype=torch.bool)
     mask[:, :num_cached] = True
     new = ancestors if ancestors is not None else torch.ones(member.query_len, member.query_len).tril().bool()
@@ -286,11 +289,16 @@ def in_place_span(
 
 
 def key_slots(block_table: list[int], context_len: int, num_keys: int, block_size: int) -> torch.Tensor:
-    """[NUM_KEYS] int64: the pool slot of each of a sequence's CONTEXT_LEN keys in BLOCK_TABLE's blocks, then slot 0
-    for the padding keys (masked: never read)."""
+    """[NUM_KEYS] int64: the pool slot of each of a sequence's CONTEXT_LEN keys in BLOCK_TABLE's blocks, then for the
+    padding keys (masked: never read) the rest of the last block's slots, then slot 0."""
     blocks = torch.tensor(block_table[:-(-context_len // block_size)], dtype=torch.int64)
-    slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:context_len]
-    return F.pad(slots, (0, num_keys - context_len))
+    slots = (blocks[:, None] * block_size + _block_offsets(block_size)).view(-1)
+    return slots[:num_keys] if len(slots) >= num_keys else F.pad(slots, (0, num_keys - len(slots)))
+
+
+@cache
+def _block_offsets(block_size: int) -> torch.Tensor:
+    return torch.arange(block_size)
 
 
 def needs_positions(members: list[GroupMember], narrowest_window: int | None) -> bool:
@@ -306,8 +314,10 @@ def padded_key_len(num_keys: int) -> int:
 
 
 def _tile_mask(mask: torch.Tensor, heads_per_kv_head: int) -> torch.Tensor:
-    """[R, 1, Q, L] -> [R, 1, heads_per_kv_head * Q, L]: the mask of every query head folded into rows."""
-    return mask.repeat(1, 1, heads_per_kv_head, 1)
+    """[R, 1, Q, L] -> [R, 1, heads_per_kv_head * Q, L]: the mask of every query head folded into rows (the Q rows
+    repeated, as `repeat` tiles them; an expanded copy costs a fraction of `repeat` at this size)."""
+    rows, _, num_queries, num_keys = mask.shape
+    return mask[:, :, None].expand(-1, -1, heads_per_kv_head, -1, -1).reshape(rows, 1, -1, num_keys)
 
 
 def contiguous_first_slot(block_table: list[int], num_keys: int, block_size: int) -> int | None:

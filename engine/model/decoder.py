@@ -105,7 +105,8 @@ class LeanDecoder:
         self.fuses = self.ops is not None
         if self.ops is not None and self.ops is torch.ops.specserve:
             for layer, next_norm in zip(self.layers, self.next_norms):
-                layer.whole_layer_args = self._whole_layer_args(layer, next_norm)
+                layer.whole_layer_args = whole_layer_args(layer, next_norm, self.num_heads, self.num_kv_heads,
+                                                          self.scaling, self.activation)
 
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor, packed: PackedBatch
@@ -166,22 +167,6 @@ class LeanDecoder:
         out_norm = layer.mlp_out_norm
         return ops.add_rms_norm(hidden, mlp, next_norm.weight, next_norm.eps, _weight(out_norm), _eps(out_norm))
 
-    def _whole_layer_args(self, layer: LayerWeights, next_norm: Norm) -> tuple | None:
-        """decoder_layer's arguments that are LAYER's own (engine/model/csrc/decoder_layer.cpp: `_fused_layer` in
-        one C++ call), or None unless its four Linears are GGUF blocks of one instruction set."""
-        linears = [_block_parts(linear) for linear in (layer.qkv, layer.output, layer.gate_up, layer.down)]
-        if any(parts is None for parts in linears) or len({part.isa for parts in linears for part in parts}) != 1:
-            return None
-        parts = [part for parts in linears for part in parts]
-        empty = torch.empty(0)
-        weights = [t for p in parts for t in (p.codes, p.scales, empty if p.mins is None else p.mins)]
-        forms = [n for p in parts for n in (p.bits, p.sub, p.out_features)]
-        query_norm, out_norm, mlp_out_norm = layer.query_norm, layer.attention_out_norm, layer.mlp_out_norm
-        return (weights, forms, [len(p) for p in linears], parts[0].isa, self.num_heads, self.num_kv_heads,
-                self.scaling, _weight(query_norm), _weight(layer.key_norm), _eps(query_norm), layer.mlp_norm.weight,
-                layer.mlp_norm.eps, _weight(out_norm), _eps(out_norm), _weight(mlp_out_norm), _eps(mlp_out_norm),
-                next_norm.weight, next_norm.eps, self.activation)
-
     def _layer(
         self, layer: LayerWeights, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: PackedBatch
     ) -> torch.Tensor:
@@ -200,6 +185,25 @@ class LeanDecoder:
         gate, up = layer.gate_up(layer.mlp_norm(hidden)).chunk(2, dim=-1)
         mlp = layer.down(self.act(gate) * up)
         return hidden + (mlp if layer.mlp_out_norm is None else layer.mlp_out_norm(mlp))
+
+
+def whole_layer_args(
+    layer: LayerWeights, next_norm: Norm, num_heads: int, num_kv_heads: int, scaling: float, activation: str,
+) -> tuple | None:
+    """decoder_layer's arguments that are LAYER's own (engine/model/csrc/decoder_layer.cpp: `_fused_layer` in one C++
+    call), or None unless its four Linears are GGUF blocks of one instruction set."""
+    linears = [_block_parts(linear) for linear in (layer.qkv, layer.output, layer.gate_up, layer.down)]
+    if any(parts is None for parts in linears) or len({part.isa for parts in linears for part in parts}) != 1:
+        return None
+    parts = [part for parts in linears for part in parts]
+    empty = torch.empty(0)
+    weights = [t for p in parts for t in (p.codes, p.scales, empty if p.mins is None else p.mins)]
+    forms = [n for p in parts for n in (p.bits, p.sub, p.out_features)]
+    query_norm, out_norm, mlp_out_norm = layer.query_norm, layer.attention_out_norm, layer.mlp_out_norm
+    return (weights, forms, [len(p) for p in linears], parts[0].isa, num_heads, num_kv_heads, scaling,
+            _weight(query_norm), _weight(layer.key_norm), _eps(query_norm), layer.mlp_norm.weight, layer.mlp_norm.eps,
+            _weight(out_norm), _eps(out_norm), _weight(mlp_out_norm), _eps(mlp_out_norm), next_norm.weight,
+            next_norm.eps, activation)
 
 
 def _layer_weights(config, layer: torch.nn.Module, gemma: bool) -> LayerWeights:

@@ -94,6 +94,7 @@ def _load_head(path: str, target: LoadedModel, role: str) -> DraftModel:
     head = load_eagle3_head(path, target.model.get_input_embeddings(), dtype, target.device)
     if target.device.type == "cpu":
         apply_head_weights(head, target.weights)
+        head.make_lean()
     target_hidden = getattr(head.config, "target_hidden_size", None) or head.config.hidden_size
     if head.config.vocab_size != config.vocab_size or int(head.target_ids.max()) >= config.vocab_size:
         raise ValueError(f"the head {path!r} drafts for a vocabulary of {head.config.vocab_size} tokens and the target "
@@ -190,8 +191,9 @@ class DraftForward:
 
 class HeadForward(DraftForward):
     """What a head drafter is lent (drafters/head_draft.py): the head's packed forwards, each token reading the fused
-    state a drafter gives it, returning target-vocabulary logits (-inf outside the draft vocabulary, so a draft
-    distribution is exactly 0 there) and each chain's last output, which the next drafted position reads."""
+    state a drafter gives it, returning draft-vocabulary logits and each chain's last output, which the next drafted
+    position reads; `target_logits` widens logits to the target's vocabulary (-inf outside the draft vocabulary, so a
+    draft distribution is exactly 0 there) where a distribution is asked."""
 
     def __init__(
         self, draft: DraftModel, runner: PackedModelRunner, blocks: KVBlockManager,
@@ -223,16 +225,17 @@ class HeadForward(DraftForward):
         self, chains: list[tuple[str, list[int], int]], features: list[torch.Tensor],
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Chains as `__call__` takes them, FEATURES [len(tokens), hidden] what each chain's tokens read -> per chain
-        [1, vocab] float32 logits at its last token, and [hidden] the head's output there."""
+        [1, draft vocab] logits at its last token, and [hidden] the head's output there."""
         items = []
         for request_id, token_ids, start in chains:
             item = chain_item(token_ids, start, self.blocks.block_tables[request_id], self.blocks.block_size)
             item.hidden_rows = [len(token_ids) - 1]
             items.append(item)
         out = self.runner.execute(ForwardBatch(items, CaptureSpec(hidden_layers=(1,)), torch.cat(features)))
-        return [self._target_logits(logits) for logits in out.logits], [hidden[-1] for hidden in out.hidden]
+        return list(out.logits), [hidden[-1] for hidden in out.hidden]
 
-    def _target_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        full = logits.new_full((len(logits), self.vocab_size), float("-inf"))
-        full[:, self.target_ids] = logits.float()
+    def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., draft vocab] -> [..., vocab] float32, -inf at the target tokens the head never drafts."""
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"), dtype=torch.float32)
+        full[..., self.target_ids] = logits.float()
         return full

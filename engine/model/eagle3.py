@@ -29,10 +29,13 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from engine.model.decoder import rms_norm, rotate
-from engine.model.paged_attention import PackedBatch, paged_attention
+from engine.model.cpu_kernels import fused_ops_available
+from engine.model.decoder import LayerWeights, Norm, rms_norm, rotate, whole_layer_args
+from engine.model.paged_attention import PackedBatch, in_place_spans, paged_attention
+from engine.model.weights import concatenate_linears
 
 HEAD_ARCHITECTURE = "LlamaForCausalLMEagle3"
+MIN_ROTATIONS = 1024  # positions of the head's first rotary table
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -146,6 +149,49 @@ class HeadBody(nn.Module):
         self.rotary_emb = LlamaRotaryEmbedding(config)
 
 
+class LeanHeadLayer:
+    """The head's layer as one C++ call: the target's own whole-layer kernel (engine/model/csrc/decoder_layer.cpp),
+    whose query, key and value projection reads [input_layernorm(embedding) | hidden_norm(hidden)] as it reads any
+    layer's normed input (its width is the projection's), and whose output comes normed by the head's final norm. At
+    one row a drafted token's cost is then mostly the head's weights, not a dozen module calls and small operators.
+    `build` gives one where the head's Linears are GGUF blocks (the CPU's `gguf` weights) and the C++ operators run,
+    else None (the modules' own forward serves)."""
+
+    def __init__(self, body: HeadBody, args: tuple) -> None:
+        layer = body.layers[0]
+        self.input_norm, self.hidden_norm = layer.input_layernorm, layer.hidden_norm
+        self.args = args
+
+    @classmethod
+    def build(cls, body: HeadBody) -> LeanHeadLayer | None:
+        if not fused_ops_available():
+            return None
+        layer = body.layers[0]
+        attention, mlp, eps = layer.self_attn, layer.mlp, layer.post_attention_layernorm.eps
+        weights = LayerWeights(
+            index=0, input_norm=Norm(layer.input_layernorm.weight, eps),
+            qkv=concatenate_linears([attention.q_proj, attention.k_proj, attention.v_proj]), output=attention.o_proj,
+            mlp_norm=Norm(layer.post_attention_layernorm.weight, eps),
+            gate_up=concatenate_linears([mlp.gate_proj, mlp.up_proj]), down=mlp.down_proj,
+        )
+        args = whole_layer_args(weights, Norm(body.norm.weight, body.norm.eps), attention.num_heads,
+                                attention.num_kv_heads, attention.scaling, "silu")
+        return None if args is None else cls(body, args)
+
+    def __call__(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: PackedBatch,
+        spans: tuple,
+    ) -> torch.Tensor:
+        """HIDDEN [total, hidden] becomes the layer's output, in place -> that output final-normed. SPANS: the batch's
+        in-place spans (`in_place_spans`)."""
+        ops = torch.ops.specserve
+        normed = torch.cat((ops.rms_norm(embeds, self.input_norm.weight, self.input_norm.eps),
+                            ops.rms_norm(hidden, self.hidden_norm.weight, self.hidden_norm.eps)), dim=-1)
+        pool = packed.pool
+        return ops.decoder_layer(hidden, normed, cos, sin, packed.write_slots, *spans, pool.layer_keys[0],
+                                 pool.layer_values[0], *self.args)
+
+
 @dataclass
 class HeadOutput:
     logits: torch.Tensor  # [1, rows, draft vocab]
@@ -157,6 +203,8 @@ class Eagle3Head(nn.Module):
     the asked rows. EMBED: the target's embedding module unless the head has its own; it is not the head's
     parameter (the target owns it)."""
 
+    narrowest_window = None  # its attention has no sliding window: layouts need no positions
+
     def __init__(self, config: Eagle3Config, embed: nn.Module) -> None:
         super().__init__()
         self.config = config
@@ -164,6 +212,12 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.__dict__["embed"] = embed  # the target's: kept out of the head's modules and parameters
+        self.__dict__["lean"] = None  # a LeanHeadLayer once `make_lean` finds one runs
+
+    def make_lean(self) -> None:
+        """Run the layer as one C++ call from now on, where that runs (LeanHeadLayer): after the weights take their
+        final form."""
+        self.__dict__["lean"] = LeanHeadLayer.build(self.model)
 
     def set_attn_implementation(self, name: str) -> None:
         """The runner's call for transformers models; the head attends through the paged pool itself."""
@@ -182,6 +236,19 @@ class Eagle3Head(nn.Module):
         """[n, 3 * target hidden] the target's states at the capture layers, concatenated -> [n, hidden]."""
         return self.model.fc(target_states.to(device=self.d2t.device, dtype=self.dtype))
 
+    def _rotation(self, embeds: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [total, 1, head_dim] at POSITION_IDS [1, total], in EMBEDS' dtype: rows of a table the rotary
+        embedding computes once for positions 0..n-1 and again, twice as long, when a position passes it (a drafted
+        token's forward then indexes two tensors instead of computing the embedding afresh)."""
+        table = self.__dict__.get("_rotations")
+        last = int(position_ids.max())
+        if table is None or last >= len(table[0]):
+            positions = torch.arange(max(2 * last + 2, MIN_ROTATIONS), device=embeds.device)[None]
+            table = tuple(t[0].to(embeds.dtype) for t in self.model.rotary_emb(embeds, positions))
+            self.__dict__["_rotations"] = table
+        index = position_ids[0]
+        return table[0][index, None], table[1][index, None]
+
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, packed_batch: PackedBatch,
         logits_to_keep: torch.Tensor, features: torch.Tensor | None = None, use_cache: bool = False,
@@ -189,7 +256,13 @@ class Eagle3Head(nn.Module):
         dtype = self.dtype
         embeds = self.embed(input_ids[0]).to(dtype)  # [total, hidden]
         hidden = features.to(dtype) if features is not None else torch.zeros_like(embeds)
-        cos, sin = (t[0, :, None, :].to(dtype) for t in self.model.rotary_emb(embeds, position_ids))
+        cos, sin = self._rotation(embeds, position_ids)
+        spans = in_place_spans(packed_batch, None, len(embeds)) if self.lean is not None else None
+        if spans is not None and dtype == packed_batch.pool.keys.dtype == torch.float32:
+            hidden = hidden.clone()  # the kernel writes the layer's output into it
+            normed = self.lean(embeds, hidden, cos, sin, packed_batch, spans)
+            packed_batch.keep_hidden(1, hidden)
+            return HeadOutput(self.lm_head(normed[logits_to_keep])[None])
         out = self.model.layers[0](embeds, hidden, cos, sin, packed_batch=packed_batch)
         return HeadOutput(self.lm_head(self.model.norm(out[logits_to_keep]))[None])
 

@@ -68,7 +68,7 @@ class PackedModelRunner:
         self.heads_per_kv_head = model.config.num_attention_heads // model.config.num_key_value_heads
         self._hidden_hooks: set[int] = set()  # layers whose output a hook can keep (transformers' forward)
         self.decoder = LeanDecoder(model) if supports(model) else None  # else transformers' forward
-        self.narrowest_window = _narrowest_window(self.decoder)
+        self.narrowest_window = _narrowest_window(self.decoder, model)
         self.graphs: CudaGraphs | None = None  # captured by capture_graphs
         # a sampled request's rows sampled here (engine/engine.py `_sample_on_device`) on a GPU; on the CPU the
         # verifier samples only the rows its walk reaches (every row of a tree costs a pass over the vocabulary)
@@ -355,11 +355,12 @@ def _starts(items: list[ForwardItem]) -> list[int]:
     return starts
 
 
-def _narrowest_window(decoder: LeanDecoder | None) -> int | None:
+def _narrowest_window(decoder: LeanDecoder | None, model: torch.nn.Module) -> int | None:
     """The narrowest sliding window of the lean DECODER's layers (None: no layer has one). transformers' forward
-    gives its layers' windows to attention as it calls it: 0, so every layout records its positions."""
+    gives its layers' windows to attention as it calls it: 0, so every layout records its positions, unless MODEL
+    says it has none (`narrowest_window`, an EAGLE-3 head's)."""
     if decoder is None:
-        return 0
+        return getattr(model, "narrowest_window", 0)
     windows = [layer.sliding_window for layer in decoder.layers if layer.sliding_window is not None]
     return min(windows) if windows else None
 

@@ -252,7 +252,7 @@ def fuse_linears(parent: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Mo
     parts = [getattr(parent, name) for name in names]
     if all(isinstance(part, OutputSlice) for part in parts) and len({id(part.fused) for part in parts}) == 1:
         return parts[0].fused
-    fused, start = _concatenate(parts), 0
+    fused, start = concatenate_linears(parts), 0
     for name, part in zip(names, parts):
         end = start + part.out_features
         setattr(parent, name, OutputSlice(fused, start, end))
@@ -260,7 +260,8 @@ def fuse_linears(parent: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Mo
     return fused
 
 
-def _concatenate(parts: list[torch.nn.Module]) -> torch.nn.Module:
+def concatenate_linears(parts: list[torch.nn.Module]) -> torch.nn.Module:
+    """One Linear of PARTS' output channels side by side, the parts left as they are."""
     kind = type(parts[0])
     if any(type(part) is not kind for part in parts):
         raise ValueError(f"cannot fuse Linear layers of different kinds: {[type(p).__name__ for p in parts]}")

@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from drafters.config import SpecConfig
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
+from engine.model.cpu_kernels import fused_ops_available
 from engine.model.eagle3 import (
     WEIGHTS_FILE,
     aux_layers,
@@ -17,6 +18,7 @@ from engine.model.eagle3 import (
     read_head_config,
     save_eagle3_head,
 )
+from engine.model.weights import apply_head_weights
 from engine.wire import SamplingParams
 from scheduler.config import SchedulerConfig, SessionConfig
 from tests.conftest import TINY_VOCAB
@@ -152,3 +154,28 @@ def test_the_embedded_model_ships_a_head_that_draft_drafters_use_by_default():
     assert path == str(SHIPPED_HEADS / DEFAULT_MODEL_NAME) and shipped_head(DEFAULT_MODEL_NAME, "copyspec+draft")
     assert shipped_head(DEFAULT_MODEL_NAME, "copyspec") is None and shipped_head("another-model", "draft") is None
     assert sum(f.stat().st_size for f in SHIPPED_HEADS.joinpath(DEFAULT_MODEL_NAME).iterdir()) <= 16 * 2**20
+
+
+@pytest.mark.skipif(not fused_ops_available(), reason="the fused operators need a C++ compiler on x86-64")
+def test_the_lean_layer_computes_what_the_heads_modules_compute(tiny_model_dir, tiny_head_dir):
+    """A head in 8-bit blocks (the CPU's gguf weights) runs its layer as one C++ call: the same logits and outputs as
+    its modules give, a prompt's catch-up and a drafted token's forward alike (the fused norms round in other
+    last bits)."""
+    engine = draft_engine(tiny_model_dir, tiny_head_dir)
+    forward = engine.speculation.drafter.forward
+    head = forward.model
+    apply_head_weights(head, "gguf")
+    head.make_lean()
+    assert head.lean is not None
+    tokens = prompts(1, seed=3)[0][:12]
+    reads = torch.randn(len(tokens), head.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    forward.blocks.grow("lean", len(tokens) + 1)
+    results = {}
+    for lean in (head.lean, None):
+        head.__dict__["lean"] = lean
+        logits, outputs = forward.run([("lean", tokens, 0)], [reads])
+        drafted, next_outputs = forward.run([("lean", [int(logits[0].argmax())], len(tokens))], [outputs[0][None]])
+        results[lean is not None] = (logits[0], outputs[0], drafted[0], next_outputs[0])
+    for got, expected in zip(results[True], results[False]):
+        assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
+    forward.blocks.free("lean")
