@@ -290,8 +290,8 @@ def in_place_span(
 
 def key_slots(block_table: list[int], context_len: int, num_keys: int, block_size: int) -> torch.Tensor:
     """[NUM_KEYS] int64: the pool slot of each of a sequence's CONTEXT_LEN keys in BLOCK_TABLE's blocks, then for the
-    padding keys (masked: never read) the rest of the last block's slots, then slot 0."""
-    blocks = torch.tensor(block_table[:-(-context_len // block_size)], dtype=torch.int64)
+    padding keys (masked: never read) the slots of the table's next ones, then slot 0 past the table."""
+    blocks = torch.tensor(block_table[:-(-min(num_keys, len(block_table) * block_size) // block_size)])
     slots = (blocks[:, None] * block_size + _block_offsets(block_size)).view(-1)
     return slots[:num_keys] if len(slots) >= num_keys else F.pad(slots, (0, num_keys - len(slots)))
 

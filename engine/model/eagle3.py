@@ -240,13 +240,16 @@ class Eagle3Head(nn.Module):
         """cos, sin [total, 1, head_dim] at POSITION_IDS [1, total], in EMBEDS' dtype: rows of a table the rotary
         embedding computes once for positions 0..n-1 and again, twice as long, when a position passes it (a drafted
         token's forward then indexes two tensors instead of computing the embedding afresh)."""
-        table = self.__dict__.get("_rotations")
-        last = int(position_ids.max())
-        if table is None or last >= len(table[0]):
-            positions = torch.arange(max(2 * last + 2, MIN_ROTATIONS), device=embeds.device)[None]
-            table = tuple(t[0].to(embeds.dtype) for t in self.model.rotary_emb(embeds, positions))
-            self.__dict__["_rotations"] = table
         index = position_ids[0]
+        table = self.__dict__.get("_rotations")
+        if table is not None:
+            try:
+                return table[0][index, None], table[1][index, None]
+            except IndexError:  # a position past the table
+                pass
+        positions = torch.arange(max(2 * int(index.max()) + 2, MIN_ROTATIONS), device=embeds.device)[None]
+        table = tuple(t[0].to(embeds.dtype) for t in self.model.rotary_emb(embeds, positions))
+        self.__dict__["_rotations"] = table
         return table[0][index, None], table[1][index, None]
 
     def forward(
