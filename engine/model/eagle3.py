@@ -167,11 +167,11 @@ class LeanHeadLayer:
         if not fused_ops_available():
             return None
         layer = body.layers[0]
-        attention, mlp, eps = layer.self_attn, layer.mlp, layer.post_attention_layernorm.eps
+        attention, mlp, mlp_norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
         weights = LayerWeights(
-            index=0, input_norm=Norm(layer.input_layernorm.weight, eps),
+            index=0, input_norm=Norm(layer.input_layernorm.weight, layer.input_layernorm.eps),
             qkv=concatenate_linears([attention.q_proj, attention.k_proj, attention.v_proj]), output=attention.o_proj,
-            mlp_norm=Norm(layer.post_attention_layernorm.weight, eps),
+            mlp_norm=Norm(mlp_norm.weight, mlp_norm.eps),
             gate_up=concatenate_linears([mlp.gate_proj, mlp.up_proj]), down=mlp.down_proj,
         )
         args = whole_layer_args(weights, Norm(body.norm.weight, body.norm.eps), attention.num_heads,
@@ -242,10 +242,10 @@ class Eagle3Head(nn.Module):
         token's forward then indexes two tensors instead of computing the embedding afresh)."""
         index = position_ids[0]
         table = self.__dict__.get("_rotations")
-        if table is not None:
+        if table is not None and (index.device.type == "cpu" or int(index.max()) < len(table[0])):
             try:
                 return table[0][index, None], table[1][index, None]
-            except IndexError:  # a position past the table
+            except IndexError:  # a position past the table, on the CPU (on a GPU such an index is fatal: checked)
                 pass
         positions = torch.arange(max(2 * int(index.max()) + 2, MIN_ROTATIONS), device=embeds.device)[None]
         table = tuple(t[0].to(embeds.dtype) for t in self.model.rotary_emb(embeds, positions))

@@ -11,6 +11,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model.cpu_kernels import fused_ops_available
 from engine.model.eagle3 import (
+    MIN_ROTATIONS,
     WEIGHTS_FILE,
     aux_layers,
     is_eagle3_head,
@@ -179,3 +180,14 @@ def test_the_lean_layer_computes_what_the_heads_modules_compute(tiny_model_dir, 
     for got, expected in zip(results[True], results[False]):
         assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
     forward.blocks.free("lean")
+
+
+def test_the_heads_rotary_table_gives_the_embeddings_own_numbers_past_its_first_length(tiny_model_dir,
+                                                                                        tiny_head_dir):
+    head = draft_engine(tiny_model_dir, tiny_head_dir).speculation.drafter.forward.model
+    embeds = torch.zeros(3, head.config.hidden_size)
+    for positions in ([[0, 7, 300]], [[5, MIN_ROTATIONS + 10, 3 * MIN_ROTATIONS]]):  # the second grows the table
+        position_ids = torch.tensor(positions)
+        cos, sin = head._rotation(embeds, position_ids)
+        expected = [t[0, :, None, :] for t in head.model.rotary_emb(embeds, position_ids)]
+        assert torch.equal(cos, expected[0]) and torch.equal(sin, expected[1])
