@@ -89,11 +89,10 @@ class ModelDraftBudget:
             return max_tokens
         batch = len(reqs)
         rest_tokens, rest_expected = self._rest(beside)
-        target = [self.target_seconds(rest_tokens + batch * (1 + depth)) for depth in range(max_tokens + 1)]
-        step_seconds = self._step_seconds(target, batch, self.draft_overhead_seconds)
+        step_seconds = self._step_seconds(batch, rest_tokens, self.draft_overhead_seconds)
         # were every drafted token accepted, at no more than the profiled draft cost (the overhead learnt while drafting
         # may be out of date once drafting stops): if even that does not pay, no acceptance can, and probing is waste
-        cheapest = self._step_seconds(target, batch, min(self.draft_overhead_seconds, 0.0))
+        cheapest = self._step_seconds(batch, rest_tokens, min(self.draft_overhead_seconds, 0.0))
         if not best_draft_depth([1.0] * max_tokens, batch, cheapest, rest_expected):
             return 0
         depth = best_draft_depth(
@@ -104,11 +103,13 @@ class ModelDraftBudget:
             return depth
         return self._probe_depth(step_seconds(0), self._drafting_seconds(1, batch))
 
-    def _step_seconds(self, target: list[float], batch: int, draft_overhead: float) -> Callable[[int], float]:
-        """A step's predicted seconds by depth when BATCH requests draft that deep: TARGET[depth], the target's
-        forward then (priced once per step for every depth, by each of the planner's questions), and the drafting,
-        each draft forward costing DRAFT_OVERHEAD beyond the profile."""
-        return lambda depth: target[depth] + self._drafting_seconds(depth, batch, draft_overhead)
+    def _step_seconds(self, batch: int, rest_tokens: int, draft_overhead: float) -> Callable[[int], float]:
+        """A step's predicted seconds by depth when BATCH requests draft that deep beside REST_TOKENS verified for the
+        rest of the batch, each draft forward costing DRAFT_OVERHEAD beyond the profile."""
+        return lambda depth: (
+            self.target_seconds(rest_tokens + batch * (1 + depth))
+            + self._drafting_seconds(depth, batch, draft_overhead)
+        )
 
     def _mean_path_probabilities(self, reqs: list[Request], max_tokens: int, source: str) -> list[float]:
         """[max_tokens] the probability that a drafted token at each depth is on the accepted path, over REQS."""
