@@ -29,9 +29,10 @@ from drafters.base import CaptureSpec
 from engine.config import ModelConfig
 from engine.model.eagle3 import Eagle3Head, aux_layers, is_eagle3_head, load_eagle3_head
 from engine.model.forward import ForwardBatch, chain_item
+from engine.model.head_layout import HeadLayout
 from engine.model.model_loader import LoadedModel, load_model
 from engine.model.packed_runner import PackedModelRunner
-from engine.model.paged_attention import PagedKVPool, kv_shape
+from engine.model.paged_attention import PagedKVPool, kv_shape, skips_masked_keys
 from engine.model.weights import apply_head_weights
 from engine.sampler import target_probs
 from scheduler.kv_blocks import KVBlockManager
@@ -206,6 +207,9 @@ class HeadForward(DraftForward):
         self.state_size = 3 * target_config.hidden_size  # the target's states a head entry reads, concatenated
         self.vocab_size = target_config.vocab_size
         self.target_ids = head.target_ids.cpu()
+        lean = (head.lean is not None and skips_masked_keys(runner.device)
+                and head.dtype == runner.pool.keys.dtype == torch.float32)
+        self.layout = HeadLayout(blocks.block_size) if lean else None
 
     @property
     def is_head(self) -> bool:
@@ -225,7 +229,10 @@ class HeadForward(DraftForward):
         self, chains: list[tuple[str, list[int], int]], features: list[torch.Tensor],
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Chains as `__call__` takes them, FEATURES [len(tokens), hidden] what each chain's tokens read -> per chain
-        [1, draft vocab] logits at its last token, and [hidden] the head's output there."""
+        [1, draft vocab] logits at its last token, and [hidden] the head's output there: through the head's lean
+        layer where it runs (engine/model/head_layout.py), else through the packed runner."""
+        if self.layout is not None:
+            return self._run_lean(chains, features)
         items = []
         for request_id, token_ids, start in chains:
             item = chain_item(token_ids, start, self.blocks.block_tables[request_id], self.blocks.block_size)
@@ -233,6 +240,16 @@ class HeadForward(DraftForward):
             items.append(item)
         out = self.runner.execute(ForwardBatch(items, CaptureSpec(hidden_layers=(1,)), torch.cat(features)))
         return list(out.logits), [hidden[-1] for hidden in out.hidden]
+
+    def _run_lean(
+        self, chains: list[tuple[str, list[int], int]], features: list[torch.Tensor],
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        tables = self.blocks.block_tables
+        token_ids, positions, write_slots, last_rows, spans = self.layout.lay_out(
+            [(token_ids, start, tables[request_id]) for request_id, token_ids, start in chains])
+        logits, outputs = self.model.forward_rows(token_ids, positions, torch.cat(features), write_slots, spans,
+                                                  self.runner.pool, last_rows)
+        return list(logits[:, None]), list(outputs)
 
     def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., draft vocab] -> [..., vocab] float32, -inf at the target tokens the head never drafts."""

@@ -31,7 +31,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.model.cpu_kernels import fused_ops_available
 from engine.model.decoder import LayerWeights, Norm, rms_norm, rotate, whole_layer_args
-from engine.model.paged_attention import PackedBatch, in_place_spans, paged_attention
+from engine.model.paged_attention import PackedBatch, PagedKVPool, in_place_spans, paged_attention
 from engine.model.weights import concatenate_linears
 
 HEAD_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -179,16 +179,15 @@ class LeanHeadLayer:
         return None if args is None else cls(body, args)
 
     def __call__(
-        self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: PackedBatch,
-        spans: tuple,
+        self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        write_slots: torch.Tensor, spans: tuple, pool: PagedKVPool,
     ) -> torch.Tensor:
-        """HIDDEN [total, hidden] becomes the layer's output, in place -> that output final-normed. SPANS: the batch's
-        in-place spans (`in_place_spans`)."""
+        """HIDDEN [total, hidden] becomes the layer's output, in place -> that output final-normed. WRITE_SLOTS: the
+        rows' slots in POOL; SPANS: the rows' in-place spans (`in_place_spans`)."""
         ops = torch.ops.specserve
         normed = torch.cat((ops.rms_norm(embeds, self.input_norm.weight, self.input_norm.eps),
                             ops.rms_norm(hidden, self.hidden_norm.weight, self.hidden_norm.eps)), dim=-1)
-        pool = packed.pool
-        return ops.decoder_layer(hidden, normed, cos, sin, packed.write_slots, *spans, pool.layer_keys[0],
+        return ops.decoder_layer(hidden, normed, cos, sin, write_slots, *spans, pool.layer_keys[0],
                                  pool.layer_values[0], *self.args)
 
 
@@ -263,11 +262,28 @@ class Eagle3Head(nn.Module):
         spans = in_place_spans(packed_batch, None, len(embeds)) if self.lean is not None else None
         if spans is not None and dtype == packed_batch.pool.keys.dtype == torch.float32:
             hidden = hidden.clone()  # the kernel writes the layer's output into it
-            normed = self.lean(embeds, hidden, cos, sin, packed_batch, spans)
+            normed = self.lean(embeds, hidden, cos, sin, packed_batch.write_slots, spans, packed_batch.pool)
             packed_batch.keep_hidden(1, hidden)
             return HeadOutput(self.lm_head(normed[logits_to_keep])[None])
         out = self.model.layers[0](embeds, hidden, cos, sin, packed_batch=packed_batch)
         return HeadOutput(self.lm_head(self.model.norm(out[logits_to_keep]))[None])
+
+    @torch.inference_mode()
+    def forward_rows(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor, write_slots: torch.Tensor,
+        spans: tuple, pool: PagedKVPool, last_rows: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lean layer's forward of chains laid out by engine/model/head_layout.py (`lean` must be set and the
+        pool float32, as the embeddings and FEATURES are): TOKEN_IDS, POSITIONS [rows], FEATURES [rows, hidden] what
+        each reads -> (draft-vocabulary logits, the layer's outputs before the final norm) at LAST_ROWS (None: at
+        every row)."""
+        embeds = self.embed(token_ids)
+        hidden = features.clone()  # the kernel writes the layer's output into it
+        cos, sin = self._rotation(embeds, positions[None])
+        normed = self.lean(embeds, hidden, cos, sin, write_slots, spans, pool)
+        if last_rows is not None:
+            normed, hidden = normed[last_rows], hidden[last_rows]
+        return self.lm_head(normed), hidden
 
 
 def load_eagle3_head(path: str | Path, embed: nn.Module, dtype: torch.dtype, device: torch.device) -> Eagle3Head:

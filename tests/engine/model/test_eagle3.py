@@ -19,6 +19,7 @@ from engine.model.eagle3 import (
     read_head_config,
     save_eagle3_head,
 )
+from engine.model.head_layout import MAX_KEPT, HeadLayout
 from engine.model.weights import apply_head_weights
 from engine.wire import SamplingParams
 from scheduler.config import SchedulerConfig, SessionConfig
@@ -159,27 +160,53 @@ def test_the_embedded_model_ships_a_head_that_draft_drafters_use_by_default():
 
 @pytest.mark.skipif(not fused_ops_available(), reason="the fused operators need a C++ compiler on x86-64")
 def test_the_lean_layer_computes_what_the_heads_modules_compute(tiny_model_dir, tiny_head_dir):
-    """A head in 8-bit blocks (the CPU's gguf weights) runs its layer as one C++ call: the same logits and outputs as
-    its modules give, a prompt's catch-up and a drafted token's forward alike (the fused norms round in other
-    last bits)."""
+    """A head in 8-bit blocks (the CPU's gguf weights) runs its layer as one C++ call, laid out by the head's own
+    layout (engine/model/head_layout.py) or by the packed runner: the same logits and outputs as its modules give,
+    for two requests' catch-up chains of different lengths in one forward and then a drafted token each (the fused
+    norms round in other last bits)."""
     engine = draft_engine(tiny_model_dir, tiny_head_dir)
     forward = engine.speculation.drafter.forward
     head = forward.model
     apply_head_weights(head, "gguf")
     head.make_lean()
-    assert head.lean is not None
-    tokens = prompts(1, seed=3)[0][:12]
-    reads = torch.randn(len(tokens), head.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    forward.blocks.grow("lean", len(tokens) + 1)
+    lean = head.lean
+    assert lean is not None
+    generator = torch.Generator().manual_seed(0)
+    chains = [("a", prompts(1, seed=3)[0][:12], 0), ("b", prompts(1, seed=4)[0][:5], 0)]
+    reads = [torch.randn(len(tokens), head.config.hidden_size, generator=generator) for _, tokens, _ in chains]
+    for request_id, tokens, _ in chains:
+        forward.blocks.grow(request_id, len(tokens) + 1)
     results = {}
-    for lean in (head.lean, None):
-        head.__dict__["lean"] = lean
-        logits, outputs = forward.run([("lean", tokens, 0)], [reads])
-        drafted, next_outputs = forward.run([("lean", [int(logits[0].argmax())], len(tokens))], [outputs[0][None]])
-        results[lean is not None] = (logits[0], outputs[0], drafted[0], next_outputs[0])
-    for got, expected in zip(results[True], results[False]):
-        assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
-    forward.blocks.free("lean")
+    for path, (layer, layout) in {"layout": (lean, HeadLayout(forward.blocks.block_size)), "runner": (lean, None),
+                                  "modules": (None, None)}.items():
+        head.__dict__["lean"], forward.layout = layer, layout
+        logits, outputs = forward.run(chains, reads)
+        drafted = [(request_id, [int(row[0].argmax())], len(tokens))
+                   for (request_id, tokens, _), row in zip(chains, logits)]
+        next_logits, next_outputs = forward.run(drafted, [output[None] for output in outputs])
+        results[path] = [*logits, *outputs, *next_logits, *next_outputs]
+    for path in ("layout", "runner"):
+        for got, expected in zip(results[path], results["modules"], strict=True):
+            assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), path
+    for request_id, _, _ in chains:
+        forward.blocks.free(request_id)
+
+
+def test_a_heads_layout_masks_each_row_to_its_own_position_and_keeps_key_slots_bounded():
+    layout = HeadLayout(block_size=4)
+    table = [7, 2, 9]
+    tokens, positions, writes, last_rows, spans = layout.lay_out([([11, 12, 13], 5, table), ([14], 2, [3])])
+    assert tokens.tolist() == [11, 12, 13, 14] and positions.tolist() == [5, 6, 7, 2]
+    assert writes.tolist() == [2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 3 * 4 + 2] and last_rows.tolist() == [2, 3]
+    starts, lengths, key_slots, masks = spans
+    assert starts == [0, 3] and lengths == [3, 1]
+    assert key_slots[0][:8].tolist() == [28, 29, 30, 31, 8, 9, 10, 11]
+    assert masks[0].shape == (1, 1, 3, len(key_slots[0])) and masks[0][0, 0].sum(-1).tolist() == [6, 7, 8]
+    assert masks[1][0, 0].sum(-1).tolist() == [3]
+    assert layout.lay_out([([15], 3, [3])])[3] is None  # every chain one row: every row's logits
+    for context in range(1, 4 * 2000, 4):
+        layout.lay_out([([1], context, list(range(context // 4 + 1)))])
+    assert len(layout._slots) <= MAX_KEPT
 
 
 def test_the_heads_rotary_table_gives_the_embeddings_own_numbers_past_its_first_length(tiny_model_dir,
