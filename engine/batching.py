@@ -54,7 +54,8 @@ def computed_for_drafter(
     computed.lookahead_logits = output.drafter_logits[index]
     hidden = output.hidden[index]
     if hidden is not None:
-        computed.hidden_states = hidden[rows]  # hidden_rows are every row, in order
+        # hidden_rows are every row, in order: a decode step's one row needs no copy
+        computed.hidden_states = hidden if len(rows) == len(hidden) else hidden[rows]
     attention = output.attention[index]
     if attention is not None:
         last = forward.attention_rows.index(rows[-1])

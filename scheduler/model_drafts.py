@@ -10,8 +10,9 @@ overhead real steps show (the target's StepOverhead, the draft's running mean pe
 of the batch is expected to verify and yield. Where not even a draft the target always accepts would pay, drafting
 stays off unprobed. Otherwise d = 0 turns it off and a one-token probe runs once the steps off have cost 1/share times
 the probe, the share halving from EXPLORE_SHARE to MIN_EXPLORE_SHARE after each probe that leaves it off, so its
-acceptance keeps being measured. Drafted positions need KV slots (the draft model writes its KV there): the request's
-blocks grow to cover them as far as free blocks allow, and the next step's update gives back what is not accepted.
+acceptance keeps being measured; an off decision holds for the same batch until a probe or KEEP_OFF_STEPS. Drafted
+positions need KV slots (the draft model writes its KV there): the request's blocks grow to cover them as far as free
+blocks allow, and the next step's update gives back what is not accepted.
 """
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ from scheduler.latency import OVERHEAD_SMOOTHING
 from scheduler.planner import PlannedTree, expected_accepted, path_probabilities, plan_verification
 from scheduler.request import Request
 
+# an off decision (NEVER: no acceptance could pay; OFF: the estimated one does not) holds for the same batch this many
+# steps or until a probe: the estimates it rests on change only when a draft is verified, and deciding costs a pass
+# over every depth's latency and estimate each step (~0.2 ms of a 12-14 ms step on a 2-core CPU)
+KEEP_OFF_STEPS = 16
+DRAFT, NEVER, OFF = "draft", "never", "off"
 EXPLORE_SHARE = 0.02  # of the step time, spent on one-token drafts right after the planner turned drafting off
 MIN_EXPLORE_SHARE = 0.002  # ... and after it kept it off through many probes
 
@@ -61,6 +67,7 @@ class ModelDraftBudget:
         self.steps_off = 0  # steps the planner kept drafting off since the last probe
         self.probes_off = 0  # probes since the planner last chose to draft
         self._drafting = (0, 0)  # depth and batch of the drafting just reserved, until its time is observed
+        self._off: tuple[tuple, str, int] | None = None  # (batch, NEVER or OFF, steps it still holds) decided last
 
     def reserve(
         self, reqs: list[Request], max_tokens: int, source: str, beside: Sequence[tuple[Request, Draft]] = (),
@@ -90,18 +97,48 @@ class ModelDraftBudget:
         batch = len(reqs)
         rest_tokens, rest_expected = self._rest(beside)
         step_seconds = self._step_seconds(batch, rest_tokens, self.draft_overhead_seconds)
+        decision = self._kept_off(reqs, beside)
+        if decision is None:
+            decision, depth = self._decide(reqs, max_tokens, source, rest_tokens, rest_expected, step_seconds)
+            if decision == DRAFT:
+                self.steps_off = self.probes_off = 0
+                return depth
+            self._off = (_batch_key(reqs, beside), decision, KEEP_OFF_STEPS)
+        if decision == NEVER:
+            return 0
+        depth = self._probe_depth(step_seconds(0), self._drafting_seconds(1, batch))
+        if depth:
+            self._off = None  # the probe's outcome changes the estimates: decide afresh after it
+        return depth
+
+    def _decide(
+        self, reqs: list[Request], max_tokens: int, source: str, rest_tokens: int, rest_expected: float,
+        step_seconds: Callable[[int], float],
+    ) -> tuple[str, int]:
+        """(DRAFT, the depth with the best expected goodput), or (OFF, 0) where that depth is 0, or (NEVER, 0) where
+        not even a draft the target always accepts would pay."""
+        batch = len(reqs)
         # were every drafted token accepted, at no more than the profiled draft cost (the overhead learnt while drafting
         # may be out of date once drafting stops): if even that does not pay, no acceptance can, and probing is waste
         cheapest = self._step_seconds(batch, rest_tokens, min(self.draft_overhead_seconds, 0.0))
         if not best_draft_depth([1.0] * max_tokens, batch, cheapest, rest_expected):
-            return 0
+            return NEVER, 0
         depth = best_draft_depth(
             self._mean_path_probabilities(reqs, max_tokens, source), batch, step_seconds, rest_expected
         )
-        if depth:
-            self.steps_off = self.probes_off = 0
-            return depth
-        return self._probe_depth(step_seconds(0), self._drafting_seconds(1, batch))
+        return (DRAFT, depth) if depth else (OFF, 0)
+
+    def _kept_off(self, reqs: list[Request], beside: Sequence[tuple[Request, Draft]]) -> str | None:
+        """The off decision last made for this very batch, while it holds (KEEP_OFF_STEPS steps, no probe since);
+        else None."""
+        if self._off is None:
+            return None
+        key, decision, steps_left = self._off
+        if not steps_left or key != _batch_key(reqs, beside):
+            self._off = None
+            return None
+        self._off = (key, decision, steps_left - 1)
+        return decision
 
     def _step_seconds(self, batch: int, rest_tokens: int, draft_overhead: float) -> Callable[[int], float]:
         """A step's predicted seconds by depth when BATCH requests draft that deep beside REST_TOKENS verified for the
@@ -160,3 +197,9 @@ class ModelDraftBudget:
         if num_tokens:
             self.blocks.grow(req.request_id, start + num_tokens)
         return num_tokens
+
+
+def _batch_key(reqs: list[Request], beside: Sequence[tuple[Request, Draft]]) -> tuple:
+    """What an off decision is kept for: the drafting requests, and the rest of the batch with its drafts' sizes."""
+    return (tuple(req.request_id for req in reqs),
+            tuple((req.request_id, len(draft)) for req, draft in beside))

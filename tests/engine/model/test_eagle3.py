@@ -41,6 +41,8 @@ def plain(tiny_model_dir):
 def test_greedy_output_with_a_head_equals_plain_decoding(plain, tiny_model_dir, tiny_head_dir, drafter, planner):
     engine = draft_engine(tiny_model_dir, tiny_head_dir, drafter, planner)
     assert engine.speculation.captures.hidden_layers == (1, 1, 2)  # the target keeps the states the head reads
+    if planner:  # the head priced as nearly free: whether the planner drafts must not hang on this host's timings
+        engine.scheduler.model_drafts.draft_seconds = lambda num_tokens: 1e-6
     outputs = assert_greedy_outputs_equal(plain, engine, prompts(6, seed=5), max_tokens=40)
     assert sum(o.spec.num_draft_tokens for o in outputs.values()) > 0, "the head must have drafted"
 
