@@ -3,7 +3,7 @@ from drafters.base import Draft
 from engine.wire import SamplingParams
 from scheduler.acceptance import TreeAcceptance
 from scheduler.kv_blocks import KVBlockManager
-from scheduler.model_drafts import EXPLORE_SHARE, MIN_EXPLORE_SHARE, ModelDraftBudget, best_draft_depth
+from scheduler.model_drafts import EXPLORE_SHARE, KEEP_OFF_STEPS, MIN_EXPLORE_SHARE, ModelDraftBudget, best_draft_depth
 from scheduler.request import Request
 
 
@@ -89,6 +89,25 @@ def test_the_planner_turns_a_useless_draft_model_off_but_keeps_measuring_it_less
     assert gaps == [round(2 ** i / EXPLORE_SHARE / 2) for i in range(4)] + [round(1 / MIN_EXPLORE_SHARE / 2)] * 3
     model_drafts.estimator.prior, model_drafts.draft_seconds = 0.99, linear(0.0001, 0.001)  # right and cheap now
     assert model_drafts.reserve([req], 5, "draft")["a"] > 0
+
+
+def test_an_off_decision_holds_for_its_batch_until_a_probe_or_its_steps_run_out():
+    model_drafts, blocks = budget(planned=True, rate=0.05)
+    estimates = []
+    estimate = model_drafts.estimator.estimate
+    model_drafts.estimator.estimate = lambda req, draft: estimates.append(req.request_id) or estimate(req, draft)
+    a, b = decoding_request("a", 6, blocks), decoding_request("b", 6, blocks)
+    depths = [model_drafts.reserve([a], 5, "draft")["a"] for _ in range(1 + KEEP_OFF_STEPS)]
+    assert depths == [0] * (1 + KEEP_OFF_STEPS) and estimates == ["a"]  # decided once, then held
+    model_drafts.reserve([a], 5, "draft")
+    assert estimates == ["a", "a"]  # its steps ran out: decided again
+    model_drafts.reserve([a, b], 5, "draft")
+    assert estimates[2:] == ["a", "b"]  # another batch: decided afresh
+    while model_drafts.reserve([a, b], 5, "draft")["a"] == 0:
+        pass
+    decided = len(estimates)
+    model_drafts.reserve([a, b], 5, "draft")
+    assert len(estimates) == decided + 2  # a probe's outcome moves the estimates: the step after it decides afresh
 
 
 def test_a_draft_that_would_not_pay_even_if_always_accepted_is_never_probed():
