@@ -49,6 +49,8 @@ def test_greedy_output_with_a_draft_model_equals_plain_decoding(
     plain, tiny_model_dir, tiny_draft_model_dir, draft, drafter, planner
 ):
     engine = draft_engine(tiny_model_dir, tiny_draft_model_dir if draft == "separate" else draft, drafter, planner)
+    if planner:  # the draft priced as nearly free: whether the planner drafts must not hang on this host's timings
+        engine.scheduler.model_drafts.draft_seconds = lambda num_tokens: 1e-6
     outputs = assert_greedy_outputs_equal(plain, engine, prompts(6, seed=3), max_tokens=40)
     drafted = sum(o.spec.num_draft_tokens for o in outputs.values())
     assert drafted > 0, "the draft model must have drafted"
