@@ -16,7 +16,8 @@ Every question of a phase is answered by each of its variants in turn, in an ord
 question, so that the ratios compare runs seconds apart.
 - agentic (`--agentic N`): N requests from separate conversations whose answers repeat each other although no prompt
   holds them (bench/agentic.py), one after another, for `none`, `copyspec`, `spectra-core`, `spectra` without its
-  traffic index (the corpus kept) and `spectra`, planner on: what the index of earlier responses adds.
+  traffic index (the corpus kept) and `spectra`, planner on, the session cache off (each request its own
+  conversation): what the index of earlier responses adds.
 
 Greedy outputs are compared with `none`'s (near-tie rule, bench/exactness.py); sampled ones (temperature > 0, each
 request seeded by its prompt) are not: tests/engine/test_sampling_distribution.py checks their
@@ -261,7 +262,10 @@ def run_question_phases(args, config, tokenizer, setup: dict, out_dir: Path) -> 
 
 def run_agentic(args, config, tokenizer) -> list[dict]:
     """The agentic phase, in engines of its own (a fresh traffic index): each variant warmed on an unrelated
-    prompt first."""
+    prompt first. Every request is a conversation of its own, so the session cache is off: in its implicit mode a
+    prompt that repeats an earlier one exactly resumes that conversation's drafter state, the earlier answer in it,
+    and the variants without the traffic index would draft from another request's answer after all."""
+    config = replace(config, sessions=replace(config.sessions, mode="off"))
     prompts = agentic_prompts(tokenizer, args.agentic)
     runners = {variant: make_runner(variant, config, args.temperature) for variant in AGENTIC}
     warm = first_turn_prompts(tokenizer, DATASETS[0], 1, args.data_dir)[0][1]
