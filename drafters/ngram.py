@@ -95,6 +95,14 @@ class RowRates:
             result.append(prior)
         return result
 
+    def estimates(self, keys: Sequence[tuple[str, int]], shared: RowRates | None = None) -> list[float]:
+        """The rate at each (kind, depth) of KEYS, each kind's rates computed once down to its deepest key."""
+        deepest: dict[str, int] = {}
+        for kind, depth in keys:
+            deepest[kind] = max(deepest.get(kind, 0), depth)
+        by_kind = {kind: self.rates(kind, depth, shared) for kind, depth in deepest.items()}
+        return [by_kind[kind][depth - 1] for kind, depth in keys]
+
     def score(self, rows: list[tuple[list[int], str]], target_token_ids: Sequence[int]) -> None:
         for row, kind in rows:
             for depth, (token, target) in enumerate(zip(row, target_token_ids), start=1):

@@ -327,10 +327,8 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
         kinds = node_kinds(guesses, paths, len(token_ids))
         # scored against the target's tokens at the next extend
         self._proposed[request_id] = Proposal(guesses, token_ids, parents, kinds)
-        keys = list(zip(kinds, depths(parents)))
         own = self._request_rates.get(request_id, RowRates())
-        rates = {key: own.rate(*key, shared=self.rates) for key in set(keys)}
-        estimates = [rates[key] for key in keys]
+        estimates = own.estimates(list(zip(kinds, depths(parents))), shared=self.rates)
         pool = self._pools.get(request_id)
         return Draft(token_ids, self.name, parents, estimates, lookahead=pool.offered() if pool else (),
                      lookahead_yield=self.lookahead_yield.per_row)

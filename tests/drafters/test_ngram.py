@@ -148,6 +148,16 @@ def test_a_rows_rates_shrink_each_depth_towards_the_one_before():
     assert rates.rate("a", 2) == pytest.approx(second)
 
 
+def test_estimates_give_each_key_its_kinds_rate_at_its_depth():
+    own, shared = RowRates(), RowRates()
+    shared.score([([5, 6, 7], "a"), ([5, 8], "b")], [5, 6, 9])
+    own.score([([5, 6], "a")], [5, 7])
+    keys = [("a", 3), ("b", 1), ("a", 1), ("c", 2), ("a", 3)]
+    expected = [own.rate(kind, depth, shared=shared) for kind, depth in keys]
+    assert own.estimates(keys, shared=shared) == pytest.approx(expected)
+    assert len(set(expected)) == 4  # the keys' rates differ: a wrong depth or kind would show
+
+
 def test_each_tree_token_carries_the_best_estimate_of_the_rows_through_it():
     drafter = NgramDrafter(k=3, w=2, bigram=ReadyTable(table_of({5: [1, 8, 9]})))
     req = Req("r", [5, 1, 2, 4, 5])
