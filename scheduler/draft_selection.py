@@ -39,10 +39,12 @@ class DraftSelector:
     def select(
         self, decoding: list[ScheduledRequest], num_base_tokens: int, budget: int,
         step_seconds: Callable[[int], float] | None, path_seconds: Callable[[int], float] = lambda context_len: 0.0,
+        prefill_worth: float = 0.0,
     ) -> list[list[int]]:
         """Per decoding request, the nodes of its draft to verify, in the order chosen (parents first).
 
-        path_seconds(context_len): what one more root-to-leaf path costs a request with that much context."""
+        path_seconds(context_len): what one more root-to-leaf path costs a request with that much context.
+        prefill_worth: the tokens the step's prefill chunks count as yielding (scheduler/planner.py)."""
         offered = [offered_nodes(item.req.draft, draft_depth_limit(item.req, self.max_model_len)) for item in decoding]
         if step_seconds is None or not self.config.use_goodput_planner:
             return _first_come(offered, budget)
@@ -50,7 +52,7 @@ class DraftSelector:
             self._planned_tree(item.req, nodes, path_seconds(item.req.num_computed_tokens))
             for item, nodes in zip(decoding, offered)
         ]
-        chosen = plan_verification(trees, num_base_tokens, len(decoding), step_seconds, budget)
+        chosen = plan_verification(trees, num_base_tokens, len(decoding) + prefill_worth, step_seconds, budget)
         return [[nodes[i] for i in picked] for nodes, picked in zip(offered, chosen)]
 
     def _planned_tree(self, req: Request, nodes: list[int], path_seconds: float) -> PlannedTree:

@@ -8,9 +8,10 @@ chain by the drafter's own running measure of what a row earns (Draft.lookahead_
 chains, request by request, while the step's expected goodput rises:
     (E + y r) / T(n + r) > E / T(n)
 E, n: the tokens the step is expected to yield and the tokens it carries so far; y r: what the chain's r rows earn;
-T: the latency model. Zero chains is a valid outcome. Without the planner every chain is carried while the token
-budget lasts (the paper's setting). A chain also needs KV slots for its rows (scratch: the next update gives them
-back) and positions below the model's length.
+T: the latency model; E counts the step's prefill chunks as the tokens their seconds would yield decoding
+(scheduler/planner.py's prefill_worth). Zero chains is a valid outcome. Without the planner every chain is carried
+while the token budget lasts (the paper's setting). A chain also needs KV slots for its rows (scratch: the next
+update gives them back) and positions below the model's length.
 """
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ from scheduler.records import ScheduledRequest, SchedulerOutput
 class LookaheadPlan:
     """The step's look-ahead chains, chosen request by request after the verified drafts (see the module)."""
 
-    def __init__(self, out: SchedulerOutput, budget: int, step_seconds: Callable[[int], float] | None) -> None:
+    def __init__(self, out: SchedulerOutput, budget: int, step_seconds: Callable[[int], float] | None,
+                 prefill_worth: float = 0.0) -> None:
         self.num_tokens = out.num_scheduled_tokens
-        self.expected = out.expected_tokens
+        self.expected = out.expected_tokens + prefill_worth
         self.budget = budget  # tokens the step may still carry
         self.step_seconds = step_seconds  # None: no planner
 

@@ -11,6 +11,12 @@ concave; taking the best prefix gives the same answer then and stays right when 
 concave. A chain is the tree whose every node has one child. A node whose parent already has a chosen child opens a
 new root-to-leaf path, which costs its request `path_seconds` on top of the token count's latency (each path reads the
 request's context again: scheduler/latency.py); trees are priced by their paths.
+
+A prefill chunk in the step yields no token now, but it is work the server must do: counted as worth nothing, its
+seconds lower the step's goodput so far that rows of a fraction of the acceptance that pays in a decode step look
+worth verifying beside it, and each costs the chunk's requests (and every other) its seconds all the same. So the
+chunks count as the tokens their seconds would yield spent decoding at the batch's plain rate (`prefill_worth`):
+a row verified beside a chunk must then pay as it would in a step without it.
 """
 from __future__ import annotations
 
@@ -44,6 +50,15 @@ def expected_accepted(tree: PlannedTree, nodes: list[int]) -> float:
     return sum(paths[n] for n in nodes)
 
 
+def prefill_worth(num_tokens: int, num_decoding: int, latency: Callable[[int], float]) -> float:
+    """Tokens a step's prefill chunks count as yielding: the seconds they add to the NUM_DECODING requests' plain
+    decode step (NUM_TOKENS in all), at the tokens per second of that plain step (one token per request)."""
+    if not num_decoding or num_tokens <= num_decoding:
+        return 0.0
+    plain = latency(num_decoding)
+    return num_decoding / plain * (latency(num_tokens) - plain)
+
+
 def plan_verification(
     trees: list[PlannedTree],
     num_base_tokens: int,
@@ -54,7 +69,8 @@ def plan_verification(
     """Per request, the nodes of its draft to verify, in the order chosen (a parent before its children).
 
     num_base_tokens: tokens in the forward before any draft (prefill chunks + one per decoding request).
-    num_base_expected: tokens the batch yields without drafts (one per decoding request).
+    num_base_expected: tokens the batch yields without drafts (one per decoding request), and what its prefill chunks
+        count as yielding (prefill_worth).
     latency: seconds of a forward over n tokens.
     max_draft_tokens: drafted tokens the step's token budget leaves room for (None: no bound).
     """

@@ -20,7 +20,7 @@ from scheduler.kv_blocks import KVBlockManager
 from scheduler.latency import LatencyModel, StepOverhead
 from scheduler.lookahead import LookaheadPlan
 from scheduler.model_drafts import ModelDraftBudget
-from scheduler.planner import num_extra_paths
+from scheduler.planner import num_extra_paths, prefill_worth
 from scheduler.records import ScheduledRequest, SchedulerOutput, StepStats, StepUpdate, Verification
 from scheduler.request import Request, RequestStatus
 from scheduler.sessions import SessionStore
@@ -150,7 +150,8 @@ class Scheduler:
         step_seconds = self._fixed_batch_seconds(len(self.admission.running), out.num_scheduled_tokens) \
             if self.latency else None
         path_seconds = self.latency.extra_path_seconds if self.latency else (lambda context_len: 0.0)
-        chosen = self.selector.select(decoding, out.num_scheduled_tokens, budget, step_seconds, path_seconds)
+        worth = prefill_worth(out.num_scheduled_tokens, len(decoding), step_seconds) if step_seconds else 0.0
+        chosen = self.selector.select(decoding, out.num_scheduled_tokens, budget, step_seconds, path_seconds, worth)
         for item, nodes in zip(decoding, chosen):
             req = item.req
             nodes = nodes[:max(self.admission.positions_available(req) - req.num_computed_tokens - 1, 0)]
@@ -160,7 +161,7 @@ class Scheduler:
             out.num_verified_draft_tokens += len(nodes)
             out.expected_tokens += self.selector.expected_tokens(req, nodes)
         plan = LookaheadPlan(out, self.config.max_num_batched_tokens - out.num_scheduled_tokens,
-                             step_seconds if self.config.use_goodput_planner else None)
+                             step_seconds if self.config.use_goodput_planner else None, worth)
         for item in decoding:
             plan.choose(item, self._lookahead_room(item))
             if item.lookahead:  # scratch slots after the item's tokens: the update gives them back

@@ -9,6 +9,7 @@ from scheduler.planner import (
     num_extra_paths,
     path_probabilities,
     plan_verification,
+    prefill_worth,
 )
 
 CPU_LIKE = LatencyModel({1: 0.069, 2: 0.072, 4: 0.080, 11: 0.134, 16: 0.150})  # seconds, measured CPU figures
@@ -92,3 +93,11 @@ def test_a_branch_is_verified_only_when_its_gain_pays_for_the_context_its_path_r
     cheap, dear = (PlannedTree(tree.parents, tree.acceptance, path_seconds) for path_seconds in (0.001, 0.05))
     assert sorted(plan_one(cheap, flat)) == [0, 1, 2, 3]
     assert sorted(plan_one(dear, flat)) == [0, 1]  # 0.57 more tokens for 50% more time: not worth it
+
+
+def test_prefill_chunks_count_as_what_their_seconds_would_yield_decoding():
+    latency = LatencyModel({1: 1.0, 201: 61.0})  # 0.7 s + 0.3 s per token
+    assert prefill_worth(2, 2, latency) == 0.0  # a plain decode step
+    # 2 requests decode in 1.3 s; 100 more tokens add 30 s, worth 30 / 1.3 * 2 tokens
+    assert prefill_worth(102, 2, latency) == pytest.approx(2 / 1.3 * 30.0)
+    assert prefill_worth(100, 0, latency) == 0.0  # nothing decodes: no rate to count by

@@ -206,6 +206,23 @@ def test_the_overhead_of_a_full_batch_does_not_price_the_steps_of_its_last_reque
     assert {scheduler.reserve_model_drafts(reqs[:1], 5, "draft")["r0"] for _ in range(2000)} == {0}
 
 
+def test_a_row_verified_beside_a_prefill_chunk_must_pay_as_in_a_decode_step():
+    """A row of 20 % acceptance does not pay in a decode step (0.3 s for 0.2 tokens of a 1 s step); beside a chunk
+    of 100 prompt tokens it still must not, though the chunk's 30 s alone leave the step's goodput at 1 / 30.7."""
+    scheduler = make_scheduler(planner=True, max_model_len=1024, num_blocks=256)
+    scheduler.latency = LatencyModel({1: 1.0, 201: 61.0})  # 0.7 s + 0.3 s per token
+    req = add(scheduler, max_tokens=100)
+    step(scheduler, scheduler.schedule(), [[8]])
+    scheduler.set_drafts([req], [Draft([9], "copyspec", acceptance=[0.2])])
+    assert scheduler.schedule().scheduled[0].num_draft_tokens == 0
+    add(scheduler, "p", prompt=tuple(range(10, 110)))
+    out = scheduler.schedule()
+    assert [item.req.request_id for item in out.scheduled] == ["r", "p"] and out.num_scheduled_tokens == 101
+    assert out.scheduled[0].num_draft_tokens == 0
+    scheduler.set_drafts([req], [Draft([9], "copyspec", acceptance=[0.9])])
+    assert scheduler.schedule().scheduled[0].num_draft_tokens == 1  # a row that pays in a decode step pays here
+
+
 def test_a_tree_draft_is_verified_whole_and_the_accepted_branch_kv_moves_to_its_final_positions():
     scheduler = make_scheduler()  # no planner: every node is verified
     req = add(scheduler)
