@@ -17,7 +17,6 @@ across turns like CopySpec's.
 from __future__ import annotations
 
 import heapq
-from collections import Counter
 from typing import Sequence
 
 from drafters.base import Draft, DraftableRequest
@@ -73,11 +72,21 @@ class RowRates:
 
     A row's token at depth d is scored when the row's tokens before it were the target's: its first token every
     step, verified or not. The rate at (kind, d) shrinks towards (kind, d - 1), and (kind, 1) towards ROW_PRIOR.
+    Counts are kept per kind as lists by depth: a draft asks for each of its kinds' rates at every depth each step.
     """
 
     def __init__(self) -> None:
-        self.tried: Counter[tuple[str, int]] = Counter()
-        self.hits: Counter[tuple[str, int]] = Counter()
+        self._counts: dict[str, tuple[list[int], list[int]]] = {}  # kind -> (tried, hits), index depth - 1
+
+    def counts(self, kind: str, depth: int) -> tuple[int, int]:
+        """(tried, hits) of KIND's tokens at DEPTH."""
+        tried, hits = self._counts.get(kind, ((), ()))
+        return (tried[depth - 1], hits[depth - 1]) if depth <= len(tried) else (0, 0)
+
+    def scored(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """(kind, depth) -> (tried, hits), for every depth of a kind scored at least once."""
+        return {(kind, depth): (n, hits[depth - 1]) for kind, (tried, hits) in self._counts.items()
+                for depth, n in enumerate(tried, start=1) if n}
 
     def rate(self, kind: str, depth: int, shared: RowRates | None = None) -> float:
         return self.rates(kind, depth, shared)[-1]
@@ -85,39 +94,52 @@ class RowRates:
     def rates(self, kind: str, max_depth: int, shared: RowRates | None = None) -> list[float]:
         """[max_depth] the rate at depths 1 .. max_depth, each shrunk towards the one before, or, given SHARED
         (wider statistics: these are one request's), towards SHARED's rate at the same depth."""
-        result, prior = [], ROW_PRIOR
+        tried, hits = self._counts.get(kind, ((), ()))
         priors = shared.rates(kind, max_depth) if shared is not None else None
-        for depth in range(1, max_depth + 1):
-            key = (kind, depth)
+        result, prior = [], ROW_PRIOR
+        for index in range(min(len(tried), max_depth)):
             if priors is not None:
-                prior = priors[depth - 1]
-            prior = (self.hits[key] + prior * ROW_PRIOR_WEIGHT) / (self.tried[key] + ROW_PRIOR_WEIGHT)
+                prior = priors[index]
+            prior = (hits[index] + prior * ROW_PRIOR_WEIGHT) / (tried[index] + ROW_PRIOR_WEIGHT)
             result.append(prior)
+        if len(result) < max_depth:  # depths never scored keep their prior
+            result += priors[len(result):] if priors is not None else [prior] * (max_depth - len(result))
         return result
 
     def estimates(self, keys: Sequence[tuple[str, int]], shared: RowRates | None = None) -> list[float]:
         """The rate at each (kind, depth) of KEYS, each kind's rates computed once down to its deepest key."""
         deepest: dict[str, int] = {}
         for kind, depth in keys:
-            deepest[kind] = max(deepest.get(kind, 0), depth)
+            if deepest.get(kind, 0) < depth:
+                deepest[kind] = depth
         by_kind = {kind: self.rates(kind, depth, shared) for kind, depth in deepest.items()}
         return [by_kind[kind][depth - 1] for kind, depth in keys]
+
+    def add(self, kind: str, depth: int, hit: bool) -> None:
+        tried, hits = self._counts.setdefault(kind, ([], []))
+        if len(tried) < depth:
+            tried.extend([0] * (depth - len(tried)))
+            hits.extend([0] * (depth - len(hits)))
+        tried[depth - 1] += 1
+        hits[depth - 1] += hit
 
     def score(self, rows: list[tuple[list[int], str]], target_token_ids: Sequence[int]) -> None:
         for row, kind in rows:
             for depth, (token, target) in enumerate(zip(row, target_token_ids), start=1):
-                self.tried[(kind, depth)] += 1
+                self.add(kind, depth, token == target)
                 if token != target:
                     break
-                self.hits[(kind, depth)] += 1
 
     def score_tree(self, token_ids: Sequence[int], parents: Sequence[int], kinds: Sequence[str],
                    target_token_ids: Sequence[int]) -> None:
         """Score a tree's nodes, each of its own kind at its depth: every node whose parent lies on the target's
         path (drafters/tree.py's scored_walk)."""
-        for node, depth, hit in scored_walk(token_ids, parents, target_token_ids):
-            self.tried[(kinds[node], depth)] += 1
-            self.hits[(kinds[node], depth)] += hit
+        self.score_walk(scored_walk(token_ids, parents, target_token_ids), kinds)
+
+    def score_walk(self, walk: Sequence[tuple[int, int, bool]], kinds: Sequence[str]) -> None:
+        """Score the (node, depth, hit) of a tree's scored_walk, each node of its kind in KINDS."""
+        for node, depth, hit in walk:
+            self.add(kinds[node], depth, hit)
 
 
 class NgramDrafter(CorpusDrafter[ContextNgramIndex]):

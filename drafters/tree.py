@@ -53,6 +53,29 @@ def subtree(parents: Sequence[int], nodes: Sequence[int]) -> list[int]:
     return [ROOT if parents[old] == ROOT else new_index[parents[old]] for old in kept]
 
 
+class Trie:
+    """A token tree grown row by row: shared prefixes become shared nodes, nodes listed in the order they join."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.parents: list[int] = []
+        self._child_of: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+
+    def add(self, row: Sequence[int]) -> tuple[list[int], bool]:
+        """ROW's nodes, and whether it added any (none: the tree held it already, as a prefix of an earlier row)."""
+        node, path, grew = ROOT, [], False
+        for token in row:
+            child = self._child_of.get((node, token))
+            if child is None:
+                child = self._child_of[(node, token)] = len(self.token_ids)
+                self.token_ids.append(token)
+                self.parents.append(node)
+                grew = True
+            node = child
+            path.append(node)
+        return path, grew
+
+
 def merge_rows(rows: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[list[int]]]:
     """k candidate continuations merged into one tree (a trie): shared prefixes become shared nodes.
 
@@ -60,22 +83,9 @@ def merge_rows(rows: Sequence[Sequence[int]]) -> tuple[list[int], list[int], lis
     rows' order, so the first row's tokens are every node's first child: verifying the tree
     accepts the same tokens as verifying the k rows one by one and keeping the longest match.
     """
-    token_ids: list[int] = []
-    parents: list[int] = []
-    paths: list[list[int]] = []
-    child_of: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-    for row in rows:
-        node, path = ROOT, []
-        for token in row:
-            key = (node, token)
-            if key not in child_of:
-                child_of[key] = len(token_ids)
-                token_ids.append(token)
-                parents.append(node)
-            node = child_of[key]
-            path.append(node)
-        paths.append(path)
-    return token_ids, parents, paths
+    trie = Trie()
+    paths = [trie.add(row)[0] for row in rows]
+    return trie.token_ids, trie.parents, paths
 
 
 def path_to(parents: Sequence[int], node: int) -> list[int]:

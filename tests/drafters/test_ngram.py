@@ -130,9 +130,8 @@ def test_row_rates_score_every_row_against_the_targets_tokens_down_to_its_first_
     rates = RowRates()
     rows = [([5, 6, 7], "a"), ([5, 6, 9], "b"), ([8, 1, 1], "c")]
     rates.score(rows, [5, 6, 9, 4])  # the target's tokens: rows a and b share two, b's third is right too
-    assert rates.tried[("a", 3)] == 1 and rates.hits[("a", 3)] == 0
-    assert rates.hits[("b", 3)] == 1 and rates.tried[("c", 1)] == 1 and rates.hits[("c", 1)] == 0
-    assert rates.tried[("c", 2)] == 0  # never scored past its first miss
+    assert rates.counts("a", 3) == (1, 0) and rates.counts("b", 3) == (1, 1) and rates.counts("c", 1) == (1, 0)
+    assert rates.counts("c", 2) == (0, 0)  # never scored past its first miss
     for _ in range(50):
         rates.score(rows, [5, 6, 9, 4])
     assert rates.rate("b", 3) > 0.9 and rates.rate("c", 1) < 0.1
@@ -178,5 +177,4 @@ def test_extend_scores_the_last_draft_with_the_steps_tokens():
     req.all_token_ids += [4, 6]
     drafter.extend(req, [4, 6])  # 4 accepted, then the target said 6
     kind = "context:count1:match0"
-    assert (drafter.rates.tried[(kind, 1)], drafter.rates.hits[(kind, 1)]) == (1, 1)
-    assert (drafter.rates.tried[(kind, 2)], drafter.rates.hits[(kind, 2)]) == (1, 0)
+    assert drafter.rates.counts(kind, 1) == (1, 1) and drafter.rates.counts(kind, 2) == (1, 0)

@@ -3,6 +3,7 @@ import pytest
 
 from drafters.base import Draft
 from drafters.tree import (
+    Trie,
     chain_parents,
     children,
     depths,
@@ -37,6 +38,14 @@ def test_merging_rows_shares_their_common_prefixes_and_keeps_row_order():
     assert tokens == [1, 2, 3, 4, 5, 6] and parents == [-1, 0, 1, 1, -1, 0]
     assert paths == [[0, 1, 2], [0, 1, 3], [4], [0, 5]]
     assert sibling_ranks(parents)[tokens.index(4)] == 1  # the second row's last token is its parent's second child
+
+
+def test_a_trie_grows_only_where_a_row_leaves_it():
+    trie = Trie()
+    assert trie.add([1, 2, 3]) == ([0, 1, 2], True)
+    assert trie.add([1, 2]) == ([0, 1], False)  # a prefix of a row added: nothing new
+    assert trie.add([1, 4]) == ([0, 3], True)
+    assert (trie.token_ids, trie.parents) == ([1, 2, 3, 4], [-1, 0, 1, 0])
 
 
 def test_a_draft_rejects_a_parent_listed_after_its_child():

@@ -77,7 +77,7 @@ def test_spectra_drafts_from_earlier_responses_and_stays_exact(engines):
             assert divergence_verdict(engines["none"].runner.model, prompt, ref, out) != "mismatch", i
     assert drafter.traffic.num_documents >= len(batch)
     # tree nodes are rated by the first guess through them: a retrieval guess's own nodes are those past the core's
-    assert sum(hits for (kind, _), hits in drafter.rates.hits.items() if kind.startswith("traffic")) > 0
+    assert sum(hits for (kind, _), (_, hits) in drafter.rates.scored().items() if kind.startswith("traffic")) > 0
 
 
 @pytest.mark.parametrize("drafter", ["copyspec", "ngram", "spectra"])
