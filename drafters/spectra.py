@@ -21,10 +21,7 @@ acceptance of its kind at its depth (drafters/ngram.py's RowRates): a node's kin
 whether other guesses agree on it (`node_kinds`). Nodes are scored, not guesses (a guess of one kind that agrees with
 an earlier one is right far more often than one that branches off alone), and each request's own rates count first,
 shrunk towards those of every request: how often the backward guess is right differs from one question to the next
-(MT-Bench: 0.28 on some, 0.58 on others), so rates over all requests alone lag behind and misprice the rows. A kind is
-also rated apart by how the request's last draft fared (`outcome`: accepted, held unverified, missed, or none drafted):
-acceptance comes in runs (a copied passage), and rated over all steps alike, the steps after an accepted draft were
-accepted 1.5 times as often as rated and those after a step without a draft 0.55 times (MT-Bench, greedy). Sessions
+(MT-Bench: 0.28 on some, 0.58 on others), so rates over all requests alone lag behind and misprice the rows. Sessions
 carry the dictionaries from one turn of a conversation to the next (drafters/corpus.py).
 
 Beyond the paper, the model bigram (drafters/bigram.py: the target's own top next tokens after the last token alone,
@@ -70,10 +67,6 @@ TAU = 0.9
 # SPECTRA-RETRIEVAL's guesses, after the core's: the paper truncates core + retrieval to G, which drops retrieval
 # whenever the forward list is full; here the planner prices every row by its kind's measured acceptance, so up to
 # RETRIEVAL_GUESSES guesses of RETRIEVAL_TOKENS (CopySpec's |S|) join the tree beyond the core's G
-# the backward guess, a token at a time, runs on up to this many tokens (the paper's guesses are n-grams, N - 1 long):
-# where the conversation repeats a passage it copies it, as CopySpec does, and the planner, rating each depth apart,
-# verifies as deep as pays. MT-Bench, greedy, 16 questions, planner on: 1.26-1.30x `none` against 1.14-1.25x at N
-BACKWARD_TOKENS = 16
 RETRIEVAL_GUESSES = 3
 RETRIEVAL_TOKENS = 10
 LONG_MATCH = 8  # a retrieval guess after a match this long is scored apart from the shorter ones
@@ -267,14 +260,6 @@ def node_kinds(guesses: list[Guess], paths: list[list[int]], num_nodes: int) -> 
     return [f"{kind}:agreed" if n > 1 else kind for kind, n in zip(first, count)]
 
 
-def outcome(walk: Sequence[tuple[int, int, bool]], num_accepted: int) -> str:
-    """How a draft fared, from its scored walk (drafters/tree.py) and the drafted tokens its step accepted: accepted,
-    held (the target's next token was in it, unverified), or missed."""
-    if num_accepted:
-        return "accepted"
-    return "held" if any(hit for _, depth, hit in walk if depth == 1) else "missed"
-
-
 def retrieval_guess(source: str, token_ids: list[int], match: int) -> Guess:
     """A retrieval index's continuation after a match of MATCH tokens: LONG_RETRIEVAL_TOKENS of it after a long
     match, RETRIEVAL_TOKENS after a short one, scored by its source and the match's class."""
@@ -293,10 +278,8 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
     def __init__(self, n: int = NGRAM, max_guesses: int = MAX_GUESSES, pool_size: int = POOL_SIZE,
                  tau: float = TAU, per_key_cap: int = PER_KEY_CAP, seed: int = 0,
                  traffic: SuffixIndex | None = None, corpus: SuffixIndex | None = None,
-                 bigram: BackgroundTable | None = None, bigram_guesses: int = BIGRAM_GUESSES,
-                 backward_tokens: int = BACKWARD_TOKENS) -> None:
+                 bigram: BackgroundTable | None = None, bigram_guesses: int = BIGRAM_GUESSES) -> None:
         super().__init__(lambda: NgramDictionaries(n, per_key_cap))
-        self.backward_tokens = max(n, backward_tokens)
         self.name = "spectra" if traffic is not None or corpus is not None else "spectra-core"
         self.traffic = traffic
         self.corpus = corpus
@@ -314,7 +297,6 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
         self._pools: dict[str, CandidatePool] = {}  # request id -> its candidate pool
         self._proposed: dict[str, Proposal] = {}  # request id -> its last draft
         self.dictionaries = frozenset(DICTIONARIES)  # those guesses are drawn from (fewer: the ablation's)
-        self._outcomes: dict[str, str] = {}  # request id -> how its last draft fared (`outcome`)
 
     def begin(self, req: DraftableRequest, state: SessionCorpus[NgramDictionaries] | None = None) -> None:
         super().begin(req, state)
@@ -333,19 +315,16 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
         """The step's tokens are the target's next ones: they score the last draft's guesses, then join the
         dictionaries."""
         proposal = self._proposed.pop(req.request_id, None)
-        self._outcomes[req.request_id] = "rested"
         if proposal is not None:
             walk = scored_walk(proposal.token_ids, proposal.parents, new_token_ids)
             for rates in (self.rates, self._request_rates.setdefault(req.request_id, RowRates())):
                 rates.score_walk(walk, proposal.kinds)
             self.lookahead_yield.score(proposal.guesses, new_token_ids)
-            self._outcomes[req.request_id] = outcome(walk, len(new_token_ids) - 1)
         super().extend(req, new_token_ids)
 
     def draft(self, request_id: str, corpus: SessionCorpus[NgramDictionaries]) -> Draft:
         guesses, tree, paths = self.guess_tree(corpus.index, corpus.corpus)
-        last = self._outcomes.get(request_id, "rested")
-        kinds = [f"{kind}@{last}" for kind in node_kinds(guesses, paths, len(tree.token_ids))]
+        kinds = node_kinds(guesses, paths, len(tree.token_ids))
         # scored against the target's tokens at the next extend
         self._proposed[request_id] = Proposal(guesses, tree.token_ids, tree.parents, kinds)
         own = self._request_rates.get(request_id, RowRates())
@@ -364,7 +343,7 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
         (a prefix of one taken before) adds no token and is left out."""
         candidates = []
         if "backward" in self.dictionaries:
-            backward, from_pool = index.backward_guess(token_ids, self.backward_tokens)
+            backward, from_pool = index.backward_guess(token_ids, self.n)
             candidates.append(Guess(backward, "backward" + (":pool" if from_pool else ""), from_pool))
         if "forward" in self.dictionaries:
             candidates += [Guess(guess, f"forward:rank{min(rank, 3)}" + (":pool" if from_pool else ""), from_pool)
@@ -406,7 +385,6 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
         later request to draw on."""
         self._proposed.pop(req.request_id, None)
         self._request_rates.pop(req.request_id, None)
-        self._outcomes.pop(req.request_id, None)
         self._pools.pop(req.request_id, None)
         prompt_length = self._prompt_lengths.pop(req.request_id, len(req.all_token_ids))
         if self.traffic is not None:

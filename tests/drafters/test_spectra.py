@@ -82,7 +82,7 @@ def test_the_backward_guess_follows_the_longest_known_context_token_by_token():
 
 
 def test_guesses_put_the_backward_one_first_cap_at_g_and_merge_into_one_tree():
-    drafter = SpectraDrafter(n=3, backward_tokens=3, max_guesses=3, pool_size=0)
+    drafter = SpectraDrafter(n=3, max_guesses=3, pool_size=0)
     tokens = [1, 2, 3, 0, 1, 2, 4, 0, 1, 5, 6, 0, 1, 7, 8, 0, 1]
     req = Req("r", tokens)
     drafter.begin(req)
@@ -96,8 +96,6 @@ def test_guesses_put_the_backward_one_first_cap_at_g_and_merge_into_one_tree():
     paths = {tuple(draft.token_ids[node] for node in path_to(draft.parents, leaf)) for leaf in range(len(draft))
              if leaf not in draft.parents}
     assert paths == {(7, 8, 0), (5, 6), (2, 4)}
-    # by default the backward guess runs on past N, through the passage the conversation repeats
-    assert SpectraDrafter(n=3, pool_size=0).guesses(index, tokens)[0].token_ids == [7, 8, 0, 1] * 4
 
 
 def test_the_model_bigram_adds_its_rows_after_the_other_guesses_leaving_out_covered_ones():
@@ -107,7 +105,7 @@ def test_the_model_bigram_adds_its_rows_after_the_other_guesses_leaving_out_cove
 
     top_ids = torch.tensor([[0, 1], [2, 3], [3, 2], [1, 0], [0, 0], [0, 0], [0, 0], [0, 0], [0, 0]], dtype=torch.int32)
     bigram = SimpleNamespace(table=BigramTable(top_ids))  # after 1: 2 then 3; argmax chain 2 -> 3 -> 1 -> 2
-    drafter = SpectraDrafter(n=3, backward_tokens=3, max_guesses=3, pool_size=0, bigram=bigram, bigram_guesses=2)
+    drafter = SpectraDrafter(n=3, max_guesses=3, pool_size=0, bigram=bigram, bigram_guesses=2)
     tokens = [5, 6, 7, 1]
     drafter.begin(Req("r", tokens))
     guesses = drafter.guesses(drafter._corpora["r"].index, tokens)
@@ -123,7 +121,7 @@ def test_the_model_bigram_adds_its_rows_after_the_other_guesses_leaving_out_cove
 @pytest.mark.parametrize("kept", ["backward", "forward"])
 def test_drafting_from_one_dictionary_alone_leaves_out_the_others_guesses(kept):
     """The ablation's switch: both dictionaries still learn; guesses come from the one kept."""
-    drafter = SpectraDrafter(n=3, backward_tokens=3, max_guesses=3, pool_size=0)
+    drafter = SpectraDrafter(n=3, max_guesses=3, pool_size=0)
     drafter.dictionaries = frozenset({kept})
     tokens = [1, 2, 3, 0, 1, 2, 4, 0, 1, 5, 6, 0, 1, 7, 8, 0, 1]
     drafter.begin(Req("r", tokens))
@@ -145,7 +143,7 @@ def test_the_steps_tokens_score_the_last_guesses_by_kind():
     req.all_token_ids.append(2)
     drafter.extend(req, [2])
     for rates in (drafter.rates, drafter._request_rates["r"]):  # every request's, and the request's own
-        assert rates.counts("backward@rested", 1) == (1, 1) and rates.counts("backward@rested", 2) == (0, 0)
+        assert rates.counts("backward", 1) == (1, 1) and rates.counts("backward", 2) == (0, 0)
 
 
 def test_tree_nodes_take_the_first_guess_kind_and_are_scored_apart_where_guesses_agree():
@@ -172,7 +170,7 @@ def test_a_requests_own_outcomes_rate_its_guesses_before_every_requests_do():
     right, wrong = Req("right", [1, 2, 3, 1]), Req("wrong", [1, 2, 3, 1])  # both guess 2 3 1 (backward) next
     for req in (right, wrong):
         drafter.begin(req)
-    kind = "backward@rested"  # a first draft's backward guess
+    kind = "backward"
     for request_id, hits in (("right", 10), ("wrong", 0)):  # ten backward guesses each: all right, all wrong
         drafter._request_rates[request_id] = own = RowRates()
         for index in range(10):
@@ -186,29 +184,8 @@ def test_a_requests_own_outcomes_rate_its_guesses_before_every_requests_do():
     assert "right" not in drafter._request_rates
 
 
-def test_a_draft_is_scored_by_how_the_requests_last_one_fared():
-    from drafters.spectra import outcome
-
-    assert outcome([(0, 1, True), (1, 2, False)], num_accepted=1) == "accepted"
-    assert outcome([(0, 1, False), (3, 1, True)], num_accepted=0) == "held"  # right, but not verified
-    assert outcome([(0, 1, False)], num_accepted=0) == outcome([], num_accepted=0) == "missed"
-    drafter = SpectraDrafter(n=3, pool_size=0)
-    req = Req("r", [1, 2, 3, 1])
-    drafter.begin(req)
-    kinds = []
-    for new_token_ids in ([2, 3], [9]):  # the guess 2 3 1: 2 accepted, 3 the target's; then 1 2 3: the target says 9
-        drafter.propose([req])
-        kinds.append(drafter._proposed["r"].kinds[0])
-        req.all_token_ids += new_token_ids
-        drafter.extend(req, new_token_ids)
-    assert kinds == ["backward@rested", "backward@accepted"] and drafter._outcomes["r"] == "missed"
-    # each is rated apart: the first draft's right guess says nothing of one after a miss
-    assert drafter.rates.counts("backward@rested", 1) == (1, 1)
-    assert drafter.rates.counts("backward@accepted", 1) == (1, 0)
-
-
 def test_a_next_turn_resumes_the_dictionaries():
-    drafter = SpectraDrafter(n=3, backward_tokens=3)
+    drafter = SpectraDrafter(n=3)
     first = Req("a", [4, 5, 6, 7])
     drafter.begin(first)
     state = drafter.finish(first)
@@ -283,7 +260,7 @@ def test_what_look_ahead_rows_earned_is_credited_per_row():
 def test_finished_responses_feed_the_traffic_index_that_later_requests_draw_on():
     from drafters.retrieval import SuffixIndex
 
-    drafter = SpectraDrafter(n=3, backward_tokens=3, max_guesses=1, pool_size=0, traffic=SuffixIndex(2**20))
+    drafter = SpectraDrafter(n=3, max_guesses=1, pool_size=0, traffic=SuffixIndex(2**20))
     first = Req("a", [50, 51])
     drafter.begin(first)
     first.all_token_ids += [7, 8, 9, 10, 11, 12]  # its response
