@@ -116,6 +116,7 @@ class RowRates:
         return [by_kind[kind][depth - 1] for kind, depth in keys]
 
     def add(self, kind: str, depth: int, hit: bool) -> None:
+        """Count one token of KIND scored at DEPTH, right (HIT) or not."""
         tried, hits = self._counts.setdefault(kind, ([], []))
         if len(tried) < depth:
             tried.extend([0] * (depth - len(tried)))

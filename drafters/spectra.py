@@ -334,6 +334,7 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
                      lookahead_yield=self.lookahead_yield.per_row)
 
     def guesses(self, index: NgramDictionaries, token_ids: Sequence[int]) -> list[Guess]:
+        """The guesses `guess_tree` takes, without their tree."""
         return self.guess_tree(index, token_ids)[0]
 
     def guess_tree(self, index: NgramDictionaries,
