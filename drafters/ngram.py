@@ -22,7 +22,7 @@ from typing import Sequence
 from drafters.base import Draft, DraftableRequest
 from drafters.bigram import BackgroundTable
 from drafters.corpus import CorpusDrafter, SessionCorpus
-from drafters.tree import merge_rows, scored_walk
+from drafters.tree import merge_rows
 
 QUERY_LEN = 1  # q: tokens matched at the end of the context
 MAX_MATCH = 3  # tokens before a context window compared with those before the query, for its row kind
@@ -130,12 +130,6 @@ class RowRates:
                 self.add(kind, depth, token == target)
                 if token != target:
                     break
-
-    def score_tree(self, token_ids: Sequence[int], parents: Sequence[int], kinds: Sequence[str],
-                   target_token_ids: Sequence[int]) -> None:
-        """Score a tree's nodes, each of its own kind at its depth: every node whose parent lies on the target's
-        path (drafters/tree.py's scored_walk)."""
-        self.score_walk(scored_walk(token_ids, parents, target_token_ids), kinds)
 
     def score_walk(self, walk: Sequence[tuple[int, int, bool]], kinds: Sequence[str]) -> None:
         """Score the (node, depth, hit) of a tree's scored_walk, each node of its kind in KINDS."""

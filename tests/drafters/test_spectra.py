@@ -148,7 +148,7 @@ def test_the_steps_tokens_score_the_last_guesses_by_kind():
 
 def test_tree_nodes_take_the_first_guess_kind_and_are_scored_apart_where_guesses_agree():
     from drafters.spectra import Guess, node_kinds
-    from drafters.tree import merge_rows
+    from drafters.tree import merge_rows, scored_walk
 
     guesses = [Guess([5, 6, 7], "backward", False), Guess([5, 6, 8], "forward:rank1", False),
                Guess([9], "forward:rank2", False)]
@@ -157,7 +157,8 @@ def test_tree_nodes_take_the_first_guess_kind_and_are_scored_apart_where_guesses
     assert list(zip(token_ids, kinds)) == [(5, "backward:agreed"), (6, "backward:agreed"), (7, "backward"),
                                            (8, "forward:rank1"), (9, "forward:rank2")]
     drafter = SpectraDrafter(n=3, pool_size=0)
-    drafter.rates.score_tree(token_ids, parents, kinds, [5, 6, 8, 3])  # the target's tokens: 5 6 8, then 3
+    # the target's tokens: 5 6 8, then 3
+    drafter.rates.score_walk(scored_walk(token_ids, parents, [5, 6, 8, 3]), kinds)
     assert drafter.rates.scored() == {  # (kind, depth): (tried, hits)
         ("backward:agreed", 1): (1, 1), ("forward:rank2", 1): (1, 0), ("backward:agreed", 2): (1, 1),
         ("backward", 3): (1, 0), ("forward:rank1", 3): (1, 1)}
