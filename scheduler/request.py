@@ -16,6 +16,7 @@ class StopParams(Protocol):
     max_tokens: int
     stop_token_ids: list[int]
     ignore_eos: bool
+    temperature: float  # 0: greedy
 
 
 class RequestStatus(enum.Enum):
@@ -60,6 +61,11 @@ class Request:
     @property
     def max_new_tokens_left(self) -> int:
         return self.sampling.max_tokens - self.num_output_tokens
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the request samples its tokens (not greedy)."""
+        return self.sampling.temperature > 0
 
     @property
     def is_finished(self) -> bool:

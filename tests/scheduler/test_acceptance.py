@@ -3,7 +3,7 @@ import pytest
 
 from drafters.base import Draft
 from engine.wire import SamplingParams
-from scheduler.acceptance import TreeAcceptance, scored_nodes
+from scheduler.acceptance import SelectionCalibration, TreeAcceptance, scored_nodes, tried_nodes
 from scheduler.request import Request
 
 TREE = Draft([10, 11, 12, 20, 21, 30], "ngram", [-1, 0, 1, -1, 3, -1])  # three rows: 10-11-12, 20-21, 30
@@ -66,3 +66,31 @@ def test_a_requests_history_of_one_drafter_does_not_lower_its_estimates_for_anot
     estimator.by_drafter.clear()  # only the request's own history is left
     assert estimator.estimate(req, Draft([3], "copyspec"))[0] > 0.8
     assert estimator.estimate(req, Draft([1], "draft"))[0] < 0.2
+
+
+def test_calibration_starts_at_one_and_follows_what_the_verified_tokens_accept():
+    calibration = SelectionCalibration()
+    assert calibration.factor("spectra", True) == 1.0
+    calibration.observe("spectra", True, [(0.4, False)] * 30 + [(0.4, True)] * 10)  # estimated 16, accepted 10
+    factor = calibration.factor("spectra", True)
+    assert 10 / 16 < factor < 1.0  # the prior of 1 still counts a little
+    assert calibration.apply("spectra", True, [0.4, 0.0]) == pytest.approx([0.4 * factor, 0.0])
+    assert calibration.factor("spectra", False) == 1.0  # greedy decoding is calibrated apart
+    assert calibration.factor("copyspec", True) == 1.0  # and so is every drafter
+    assert calibration.factors() == {("spectra", True): pytest.approx(factor)}
+
+
+def test_calibration_forgets_old_tokens_and_never_raises_an_estimate_past_099():
+    calibration = SelectionCalibration()
+    calibration.observe("ngram", False, [(0.5, False)] * 4000)
+    calibration.observe("ngram", False, [(0.5, True)] * 4000)  # the latest tokens outweigh the old ones
+    assert calibration.factor("ngram", False) > 1.5
+    assert calibration.apply("ngram", False, [0.9, 0.995, 0.2]) == pytest.approx(
+        [0.99, 0.995, 0.2 * calibration.factor("ngram", False)])
+
+
+def test_tried_nodes_are_the_verified_ones_whose_parent_was_accepted():
+    # selection: 0 (root child) -> 1 -> 2, and 3 (root child) -> 4; accepted 0 then 1: node 2 tried and missed,
+    # 3 tried (a root child) and missed, 4 never tried (its parent missed)
+    assert tried_nodes([-1, 0, 1, -1, 3], [0, 1]) == [(0, True), (1, True), (2, False), (3, False)]
+    assert tried_nodes([-1, 0], []) == [(0, False)]

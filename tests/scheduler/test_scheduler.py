@@ -165,6 +165,24 @@ def test_planner_resumes_verifying_a_drafter_whose_unverified_drafts_turn_right(
     assert all(n > 0 for n in verified[-8:]), "unverified drafts that matched brought verification back"
 
 
+def test_the_planner_stops_verifying_tokens_whose_own_estimates_promise_more_than_they_accept():
+    """A drafter that prices its own tokens (Draft.acceptance) too high: what its verified tokens accept corrects
+    the estimates the planner weighs (scheduler/acceptance.py's SelectionCalibration), for greedy requests here."""
+    scheduler = make_scheduler(planner=True, max_model_len=1024, num_blocks=256)
+    scheduler.latency = LatencyModel({1: 1.0, 2: 1.3, 4: 1.9})  # a token is worth verifying above ~30% acceptance
+    req = add(scheduler, max_tokens=1000, ignore_eos=True)
+    step(scheduler, scheduler.schedule(), [[8]])
+    verified = []
+    for _ in range(40):
+        scheduler.set_drafts([req], [Draft([1], "spectra", acceptance=[0.6])])
+        out = scheduler.schedule()
+        verified.append(out.scheduled[0].num_draft_tokens)
+        step(scheduler, out, [[3]])  # never accepted
+    assert verified[0] == 1 and verified[-1] == 0
+    assert scheduler.calibration.factor("spectra", False) < 0.5
+    assert scheduler.calibration.factor("spectra", True) == 1.0
+
+
 def test_prefill_steps_do_not_teach_the_step_overhead():
     scheduler = make_scheduler(planner=True)
     scheduler.latency = LatencyModel({1: 1.0, 64: 10.0})
