@@ -18,6 +18,7 @@ from tqdm import tqdm
 from bench.exactness import divergence_verdict
 from bench.lookup_cost import copyspec_lookup_cost
 from bench.report import markdown_table, plot_speedups, summarize
+from bench.runners import generate_together
 
 
 def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
@@ -55,7 +56,7 @@ def run_question(question: dict, runners: dict, tokenizer, reference_model, args
         prompt = (completion_prompt(tokenizer, question) if args.completions
                   else turn_prompts(tokenizer, question, answers))
         names = [n for n in runners if not n.startswith("hf-") or turn in args.peer_turns]
-        generations = {name: runners[name].generate(prompt, args.max_new_tokens) for name in names}
+        generations = generate_together({name: runners[name] for name in names}, prompt, args.max_new_tokens)
         baseline = generations["none"].token_ids
         baseline_text = tokenizer.decode(baseline, skip_special_tokens=True)
         for name, gen in generations.items():

@@ -2,8 +2,8 @@
 stream, greedy, in-process engines.
 
 - headline: `none`, `copyspec` and `ngram` at (k, w) = (10, 10) with the goodput planner off (every drafted
-  token verified: the paper's tokens per call) and on (what users get). Every question is answered by each
-  variant in turn, in an order rotated from question to question, so that the ratios compare runs seconds apart.
+  token verified: the paper's tokens per call) and on (what users get). Every question is answered by all the
+  variants at once, their engines taking turns a step at a time, so that the ratios compare steps milliseconds apart.
 - grid: `ngram` over k x w with the planner off, on the first few questions of each set, for tokens per call.
 
 Every output is compared with `none`'s (near-tie rule, bench/exactness.py). Results: results.json (rows and a
@@ -26,7 +26,7 @@ from tqdm import tqdm
 from bench.data import load_questions
 from bench.exactness import divergence_verdict
 from bench.mt import render_prompt
-from bench.runners import EngineRunner
+from bench.runners import EngineRunner, generate_together
 from engine.engine import Engine
 
 DATASETS = ("mt-bench", "humaneval", "gsm8k")
@@ -80,12 +80,12 @@ def row(phase: str, dataset: str, question: dict, variant: Variant, gen, verdict
 
 
 def run_headline(prompts: dict, runners: dict, reference_model, max_tokens: int) -> tuple[list[dict], dict]:
-    """Each question by every variant, rotating the order; returns rows and none's outputs by (dataset, question)."""
+    """Each question by every variant, their steps taken in turns (bench/runners.py's generate_together); returns
+    rows and none's outputs by (dataset, question)."""
     rows, baselines = [], {}
     items = [(dataset, q, prompt) for dataset, pairs in prompts.items() for q, prompt in pairs]
-    for i, (dataset, question, prompt) in enumerate(tqdm(items, desc="headline")):
-        order = HEADLINE[i % len(HEADLINE):] + HEADLINE[:i % len(HEADLINE)]
-        generations = {variant: runners[variant].generate(prompt, max_tokens) for variant in order}
+    for dataset, question, prompt in tqdm(items, desc="headline"):
+        generations = generate_together({variant: runners[variant] for variant in HEADLINE}, prompt, max_tokens)
         baseline = generations[Variant("none")].token_ids
         baselines[(dataset, question["question_id"])] = baseline
         for variant in HEADLINE:

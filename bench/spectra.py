@@ -12,8 +12,8 @@
   drafting without the forward dictionary, without the backward one, without retrieval (both indexes), and with a
   corpus index that holds every sample unfiltered (the calibration prompts' answers and the code, unscored) in
   place of the perplexity-filtered one.
-Every question of a phase is answered by each of its variants in turn, in an order rotated from question to
-question, so that the ratios compare runs seconds apart.
+Every question of a phase is answered by all its variants at once, their engines taking turns a step at a time
+(bench/runners.py's generate_together), so that the ratios compare steps milliseconds apart.
 - agentic (`--agentic N`): N requests from separate conversations whose answers repeat each other although no prompt
   holds them (bench/agentic.py), one after another, for `none`, `copyspec`, `spectra-core`, `spectra` without its
   traffic index (the corpus kept) and `spectra`, planner on, the session cache off (each request its own
@@ -39,7 +39,7 @@ from tqdm import tqdm
 from bench.agentic import agentic_prompts
 from bench.exactness import divergence_verdict
 from bench.ngram import DATASETS, first_turn_prompts
-from bench.runners import EngineRunner
+from bench.runners import EngineRunner, generate_together
 from drafters.retrieval import BYTES_PER_TOKEN, SuffixIndex
 from engine.artifacts import corpus_path, weights_fingerprint
 from engine.calibration.corpus import corpus_samples
@@ -124,14 +124,13 @@ def row(phase: str, dataset: str, question: dict, variant: Variant, gen, verdict
 
 
 def run_phase(phase: str, prompts: dict, runners: dict, reference_model, max_tokens: int) -> list[dict]:
-    """Each question by every runner, rotating the order; `none` (the first runner) is every greedy output's
-    reference."""
+    """Each question by every runner, their steps taken in turns (bench/runners.py's generate_together); `none` (the
+    first runner) is every greedy output's reference."""
     rows = []
     variants = list(runners)
     items = [(dataset, q, prompt) for dataset, pairs in prompts.items() for q, prompt in pairs]
-    for i, (dataset, question, prompt) in enumerate(tqdm(items, desc=phase)):
-        order = variants[i % len(variants):] + variants[:i % len(variants)]
-        generations = {variant: runners[variant].generate(prompt, max_tokens) for variant in order}
+    for dataset, question, prompt in tqdm(items, desc=phase):
+        generations = generate_together(runners, prompt, max_tokens)
         baseline = generations[variants[0]].token_ids
         for variant in variants:
             verdict = "sampled" if runners[variant].temperature else \
