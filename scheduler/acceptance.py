@@ -21,7 +21,7 @@ from drafters.tree import depths, scored_walk, sibling_ranks
 from scheduler.request import Request
 
 NodeKey = tuple[int, int]  # (depth, sibling rank); depth 1 = a child of the request's last token
-# SelectionCalibration: a verified token's weight in the running sums falls by this with each later one of its key
+# CalibratedEstimator: a verified token's weight in the running sums falls by this with each later one of its key
 # (half of it is gone after ~350), and the starting factor 1 is worth this many estimated tokens
 CALIBRATION_MEMORY = 1 - 1 / 512
 CALIBRATION_PRIOR_TOKENS = 8.0
@@ -102,9 +102,9 @@ def scored_nodes(draft: Draft, target_token_ids: list[int]) -> list[tuple[NodeKe
                                                                             target_token_ids)]
 
 
-class SelectionCalibration:
-    """How the estimates of the drafted tokens the planner verifies compare with what those tokens accept, per drafter
-    and decoding (greedy or sampled), and the factor that corrects them.
+class CalibratedEstimator:
+    """An estimator's estimates, corrected by how those of the drafted tokens the planner verified fared: a factor per
+    drafter and decoding (greedy or sampled).
 
     The planner verifies the nodes whose estimates are highest, and the highest of many noisy estimates are too high
     (the winner's curse): the estimates of all drafted tokens can be right while those of the few chosen are not. At
@@ -113,27 +113,37 @@ class SelectionCalibration:
     earned; greedy, the verified ones were estimated at 0.47 and accepted 0.51. Each verified token whose parent was
     accepted (so it was tried) adds its estimate and whether it was accepted to running sums that forget at
     CALIBRATION_MEMORY per token; the factor is their ratio, starting from 1 with CALIBRATION_PRIOR_TOKENS estimated
-    tokens' weight. Every estimate the planner weighs is multiplied by it (never above 0.99 unless it was already)."""
+    tokens' weight. Every estimate is multiplied by it (never above 0.99 unless it was already)."""
 
-    def __init__(self) -> None:
+    def __init__(self, estimator: AcceptanceEstimator) -> None:
+        self.estimator = estimator
         self._sums: dict[tuple[str, bool], tuple[float, float]] = {}  # (drafter, sampled) -> (estimated, accepted)
+
+    def estimate(self, req: Request, draft: Draft) -> list[float]:
+        factor = self.factor(draft.source, req.sampled)
+        return [min(factor * rate, max(rate, 0.99)) for rate in self.estimator.estimate(req, draft)]
+
+    def observe(self, req: Request, draft: Draft, target_token_ids: list[int]) -> None:
+        self.estimator.observe(req, draft, target_token_ids)
+
+    def forget(self, request_id: str) -> None:
+        self.estimator.forget(request_id)
+
+    def observe_verified(self, req: Request, draft: Draft, nodes: list[int], parents: list[int],
+                         accepted: list[int]) -> None:
+        """The planner verified NODES of DRAFT (PARENTS: within them) and ACCEPTED those (indices into NODES); called
+        before `observe` scores the draft, while the estimates are those the planner chose by."""
+        rates = self.estimator.estimate(req, draft)
+        key = (draft.source, req.sampled)
+        estimated, accepted_sum = self._sums.get(key, (0.0, 0.0))
+        for node, hit in tried_nodes(parents, accepted):
+            estimated = estimated * CALIBRATION_MEMORY + rates[nodes[node]]
+            accepted_sum = accepted_sum * CALIBRATION_MEMORY + hit
+        self._sums[key] = (estimated, accepted_sum)
 
     def factor(self, source: str, sampled: bool) -> float:
         estimated, accepted = self._sums.get((source, sampled), (0.0, 0.0))
         return (accepted + CALIBRATION_PRIOR_TOKENS) / (estimated + CALIBRATION_PRIOR_TOKENS)
-
-    def apply(self, source: str, sampled: bool, rates: list[float]) -> list[float]:
-        """RATES (a draft's estimates from SOURCE) as the planner weighs them."""
-        factor = self.factor(source, sampled)
-        return [min(factor * rate, max(rate, 0.99)) for rate in rates]
-
-    def observe(self, source: str, sampled: bool, tried: list[tuple[float, bool]]) -> None:
-        """TRIED: each verified token whose parent was accepted, as (its estimate before calibration, accepted)."""
-        estimated, accepted = self._sums.get((source, sampled), (0.0, 0.0))
-        for rate, hit in tried:
-            estimated = estimated * CALIBRATION_MEMORY + rate
-            accepted = accepted * CALIBRATION_MEMORY + hit
-        self._sums[(source, sampled)] = (estimated, accepted)
 
     def factors(self) -> dict[tuple[str, bool], float]:
         """(drafter, sampled) -> its factor, for every key observed."""

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from drafters.base import Draft
 from drafters.tree import depths, subtree
-from scheduler.acceptance import AcceptanceEstimator, SelectionCalibration
+from scheduler.acceptance import AcceptanceEstimator
 from scheduler.config import SchedulerConfig
 from scheduler.planner import PlannedTree, expected_accepted, plan_verification
 from scheduler.records import ScheduledRequest
@@ -31,12 +31,10 @@ def offered_nodes(draft: Draft | None, depth_limit: int) -> list[int]:
 
 
 class DraftSelector:
-    def __init__(self, config: SchedulerConfig, estimator: AcceptanceEstimator, max_model_len: int,
-                 calibration: SelectionCalibration) -> None:
+    def __init__(self, config: SchedulerConfig, estimator: AcceptanceEstimator, max_model_len: int) -> None:
         self.config = config
         self.estimator = estimator
         self.max_model_len = max_model_len
-        self.calibration = calibration  # corrects the estimates of the tokens the planner chooses
 
     def select(
         self, decoding: list[ScheduledRequest], num_base_tokens: int, budget: int,
@@ -60,18 +58,14 @@ class DraftSelector:
     def _planned_tree(self, req: Request, nodes: list[int], path_seconds: float) -> PlannedTree:
         if not nodes:
             return PlannedTree([], [])
-        rates = self.rates(req)
+        rates = self.estimator.estimate(req, req.draft)
         return PlannedTree(subtree(req.draft.parents, nodes), [rates[n] for n in nodes], path_seconds)
-
-    def rates(self, req: Request) -> list[float]:
-        """The acceptance estimates of the request's draft as the planner weighs them: calibrated."""
-        return self.calibration.apply(req.draft.source, req.sampled, self.estimator.estimate(req, req.draft))
 
     def expected_tokens(self, req: Request, nodes: list[int]) -> float:
         """Tokens verifying NODES of the request's draft is expected to yield: the bonus token and the accepted ones."""
         if not nodes:
             return 1.0
-        return 1.0 + expected_accepted(PlannedTree(req.draft.parents, self.rates(req)), nodes)
+        return 1.0 + expected_accepted(PlannedTree(req.draft.parents, self.estimator.estimate(req, req.draft)), nodes)
 
 
 def attach_draft(item: ScheduledRequest, nodes: list[int]) -> None:

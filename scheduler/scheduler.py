@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from drafters.base import Draft
-from scheduler.acceptance import AcceptanceEstimator, SelectionCalibration, TreeAcceptance
+from scheduler.acceptance import AcceptanceEstimator, CalibratedEstimator, TreeAcceptance
 from scheduler.admission import Admission, QueueFullError
 from scheduler.config import SchedulerConfig
 from scheduler.draft_selection import DraftSelector, attach_draft
@@ -46,12 +46,11 @@ class Scheduler:
         self.blocks = blocks
         self.latency = latency
         self.sessions = sessions
-        self.estimator = estimator or TreeAcceptance(config.acceptance_prior, config.acceptance_prior_weight)
+        self.estimator = CalibratedEstimator(
+            estimator or TreeAcceptance(config.acceptance_prior, config.acceptance_prior_weight))
         self.admission = Admission(config, blocks, sessions)
-        self.calibration = SelectionCalibration()
-        self.selector = DraftSelector(config, self.estimator, max_model_len, self.calibration)
-        self.updater = RequestUpdater(max_model_len, eos_token_ids, blocks, self.estimator, self._finish,
-                                      self.calibration)
+        self.selector = DraftSelector(config, self.estimator, max_model_len)
+        self.updater = RequestUpdater(max_model_len, eos_token_ids, blocks, self.estimator, self._finish)
         self.step_overhead = StepOverhead()  # measured step time minus the profiled forward time, by batch size
         planned = bool(latency and config.use_goodput_planner)
         self.model_drafts = ModelDraftBudget(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from drafters.tree import depths, sibling_ranks
-from scheduler.acceptance import AcceptanceEstimator, SelectionCalibration, tried_nodes
+from scheduler.acceptance import CalibratedEstimator
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.records import DraftStepStats, RequestUpdate, ScheduledRequest, Verification
 from scheduler.request import Request
@@ -19,15 +19,14 @@ from scheduler.request import Request
 
 class RequestUpdater:
     def __init__(
-        self, max_model_len: int, eos_token_ids: list[int], blocks: KVBlockManager, estimator: AcceptanceEstimator,
-        finish: Callable[[Request, str], None], calibration: SelectionCalibration,
+        self, max_model_len: int, eos_token_ids: list[int], blocks: KVBlockManager, estimator: CalibratedEstimator,
+        finish: Callable[[Request, str], None],
     ) -> None:
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.blocks = blocks
         self.estimator = estimator
         self.finish = finish  # ends a request: frees its blocks, lets its session keep what it should
-        self.calibration = calibration  # learns from the verified tokens how the planner's estimates fare
 
     def update(self, item: ScheduledRequest, result: Verification) -> tuple[RequestUpdate, list[tuple[int, int]]]:
         """Apply one verification to a request that reached its end this step; returns its update and KV moves."""
@@ -53,11 +52,8 @@ class RequestUpdater:
 
     def _record_speculation(self, item: ScheduledRequest, result: Verification) -> None:
         req, draft = item.req, item.req.draft
-        if item.draft_nodes:  # the estimates the planner chose by, before this step's tokens change them
-            rates = self.estimator.estimate(req, draft)
-            tried = tried_nodes(item.draft_parents, result.accepted_nodes)
-            self.calibration.observe(draft.source, req.sampled,
-                                     [(rates[item.draft_nodes[node]], hit) for node, hit in tried])
+        if item.draft_nodes:
+            self.estimator.observe_verified(req, draft, item.draft_nodes, item.draft_parents, result.accepted_nodes)
         if draft is not None:  # verified or not, the draft is scored against what the target produced
             self.estimator.observe(req, draft, result.token_ids)
         if item.num_draft_tokens == 0:

@@ -3,7 +3,7 @@ import pytest
 
 from drafters.base import Draft
 from engine.wire import SamplingParams
-from scheduler.acceptance import SelectionCalibration, TreeAcceptance, scored_nodes, tried_nodes
+from scheduler.acceptance import CalibratedEstimator, TreeAcceptance, scored_nodes, tried_nodes
 from scheduler.request import Request
 
 TREE = Draft([10, 11, 12, 20, 21, 30], "ngram", [-1, 0, 1, -1, 3, -1])  # three rows: 10-11-12, 20-21, 30
@@ -68,25 +68,35 @@ def test_a_requests_history_of_one_drafter_does_not_lower_its_estimates_for_anot
     assert estimator.estimate(req, Draft([1], "draft"))[0] < 0.2
 
 
+def sampled_request(request_id="s"):
+    return Request(request_id, [1, 2, 3], SamplingParams(temperature=1.0))
+
+
 def test_calibration_starts_at_one_and_follows_what_the_verified_tokens_accept():
-    calibration = SelectionCalibration()
-    assert calibration.factor("spectra", True) == 1.0
-    calibration.observe("spectra", True, [(0.4, False)] * 30 + [(0.4, True)] * 10)  # estimated 16, accepted 10
-    factor = calibration.factor("spectra", True)
+    """Forty verified root children estimated at 0.4 (the drafter's own estimates), ten accepted."""
+    estimator = CalibratedEstimator(TreeAcceptance(prior=0.5, prior_weight=4.0))
+    req, draft = sampled_request(), Draft([7, 8], "spectra", acceptance=[0.4, 0.0])
+    assert estimator.estimate(req, draft) == [0.4, 0.0]
+    for hit in [False] * 30 + [True] * 10:
+        estimator.observe_verified(req, draft, [0], [-1], [0] if hit else [])
+    factor = estimator.factor("spectra", True)
     assert 10 / 16 < factor < 1.0  # the prior of 1 still counts a little
-    assert calibration.apply("spectra", True, [0.4, 0.0]) == pytest.approx([0.4 * factor, 0.0])
-    assert calibration.factor("spectra", False) == 1.0  # greedy decoding is calibrated apart
-    assert calibration.factor("copyspec", True) == 1.0  # and so is every drafter
-    assert calibration.factors() == {("spectra", True): pytest.approx(factor)}
+    assert estimator.estimate(req, draft) == pytest.approx([0.4 * factor, 0.0])
+    assert estimator.estimate(make_request(), draft) == [0.4, 0.0]  # greedy decoding is calibrated apart
+    assert estimator.factor("copyspec", True) == 1.0  # and so is every drafter
+    assert estimator.factors() == {("spectra", True): pytest.approx(factor)}
 
 
 def test_calibration_forgets_old_tokens_and_never_raises_an_estimate_past_099():
-    calibration = SelectionCalibration()
-    calibration.observe("ngram", False, [(0.5, False)] * 4000)
-    calibration.observe("ngram", False, [(0.5, True)] * 4000)  # the latest tokens outweigh the old ones
-    assert calibration.factor("ngram", False) > 1.5
-    assert calibration.apply("ngram", False, [0.9, 0.995, 0.2]) == pytest.approx(
-        [0.99, 0.995, 0.2 * calibration.factor("ngram", False)])
+    estimator = CalibratedEstimator(TreeAcceptance(prior=0.5, prior_weight=4.0))
+    req, draft = make_request(), Draft([7, 8], "ngram", acceptance=[0.5, 0.5])
+    for accepted in ([], [0, 1]):  # the root child rejected 4000 times, then the chain accepted whole 4000 times
+        for _ in range(4000):
+            estimator.observe_verified(req, draft, [0, 1], [-1, 0], accepted)
+    factor = estimator.factor("ngram", False)
+    assert factor > 1.5  # the latest tokens outweigh the old ones
+    high = Draft([7, 8, 9], "ngram", acceptance=[0.9, 0.995, 0.2])
+    assert estimator.estimate(req, high) == pytest.approx([0.99, 0.995, 0.2 * factor])
 
 
 def test_tried_nodes_are_the_verified_ones_whose_parent_was_accepted():

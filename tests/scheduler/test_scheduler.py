@@ -167,7 +167,7 @@ def test_planner_resumes_verifying_a_drafter_whose_unverified_drafts_turn_right(
 
 def test_the_planner_stops_verifying_tokens_whose_own_estimates_promise_more_than_they_accept():
     """A drafter that prices its own tokens (Draft.acceptance) too high: what its verified tokens accept corrects
-    the estimates the planner weighs (scheduler/acceptance.py's SelectionCalibration), for greedy requests here."""
+    the estimates the planner weighs (scheduler/acceptance.py's CalibratedEstimator), for greedy requests here."""
     scheduler = make_scheduler(planner=True, max_model_len=1024, num_blocks=256)
     scheduler.latency = LatencyModel({1: 1.0, 2: 1.3, 4: 1.9})  # a token is worth verifying above ~30% acceptance
     req = add(scheduler, max_tokens=1000, ignore_eos=True)
@@ -179,8 +179,8 @@ def test_the_planner_stops_verifying_tokens_whose_own_estimates_promise_more_tha
         verified.append(out.scheduled[0].num_draft_tokens)
         step(scheduler, out, [[3]])  # never accepted
     assert verified[0] == 1 and verified[-1] == 0
-    assert scheduler.calibration.factor("spectra", False) < 0.5
-    assert scheduler.calibration.factor("spectra", True) == 1.0
+    assert scheduler.estimator.factor("spectra", False) < 0.5
+    assert scheduler.estimator.factor("spectra", True) == 1.0
 
 
 def test_prefill_steps_do_not_teach_the_step_overhead():
