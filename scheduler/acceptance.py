@@ -145,9 +145,12 @@ class CalibratedEstimator:
         estimated, accepted = self._sums.get((source, sampled), (0.0, 0.0))
         return (accepted + CALIBRATION_PRIOR_TOKENS) / (estimated + CALIBRATION_PRIOR_TOKENS)
 
-    def factors(self) -> dict[tuple[str, bool], float]:
-        """(drafter, sampled) -> its factor, for every key observed."""
-        return {key: self.factor(*key) for key in self._sums}
+    def factors(self) -> dict[str, dict[str, float]]:
+        """Drafter -> "greedy" or "sampled" -> its factor, for every drafter and decoding observed."""
+        factors: dict[str, dict[str, float]] = {}
+        for source, sampled in self._sums:
+            factors.setdefault(source, {})["sampled" if sampled else "greedy"] = self.factor(source, sampled)
+        return factors
 
 
 def tried_nodes(parents: list[int], accepted: list[int]) -> list[tuple[int, bool]]:

@@ -133,6 +133,8 @@ class StepStats:
     planned_tokens: float = 0.0  # tokens the planner expected this step to yield
     planned_seconds: float = 0.0  # seconds the latency model predicted for this step's forwards
     num_generated_tokens: int = 0  # tokens this step appended to its requests
+    # drafter -> 'greedy' or 'sampled' -> the factor the planner multiplies its acceptance estimates by
+    acceptance_calibration: dict[str, dict[str, float]] = field(default_factory=dict)
     kv_cache_usage: float = 0.0  # fraction of the paged KV pool's blocks in use after the step
     num_scheduled_tokens: int = 0  # tokens in the step's packed forward: prefill chunks, last tokens, drafts
     num_lookahead_rows: int = 0  # of those, look-ahead rows (drafters/spectra.py's candidate pool)

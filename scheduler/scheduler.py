@@ -239,6 +239,7 @@ class Scheduler:
             spec_by_drafter=spec_by_drafter,
             planned_tokens=out.expected_tokens,
             planned_seconds=out.predicted_seconds,
+            acceptance_calibration=self.estimator.factors(),
             num_generated_tokens=sum(len(u.new_token_ids) for u in step.updates),
             kv_cache_usage=self.blocks.usage,
             num_scheduled_tokens=out.num_scheduled_tokens,

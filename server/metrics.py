@@ -83,6 +83,11 @@ class ServerMetrics:
             "planner_predicted_seconds_total", "Forward seconds the latency model predicted"
         )
         self.step_tokens = self._counter("engine_step_tokens_total", "Tokens the engine's steps yielded")
+        self.acceptance_calibration = Gauge(
+            PREFIX + "planner_acceptance_calibration", "Factor the planner multiplies a drafter's acceptance estimates "
+            "by: what the tokens it verified accepted over what they were estimated at (1: estimates right)",
+            ("model_name", "drafter", "decoding"), registry=self.registry,
+        )
 
     def _define_session_metrics(self) -> None:
         self.session_hits = self._counter("session_cache_hits_total", "Requests that found their session cached")
@@ -147,6 +152,9 @@ class ServerMetrics:
             self.num_accepted.labels(m, drafter).inc(spec.num_accepted_tokens)
             for position, count in enumerate(spec.num_accepted_per_position):
                 self.accepted_per_pos.labels(m, drafter, str(position)).inc(count)
+        for drafter, factors in stats.acceptance_calibration.items():
+            for decoding, factor in factors.items():
+                self.acceptance_calibration.labels(m, drafter, decoding).set(factor)
 
     def _observe_cache_stats(self, stats: StepStats) -> None:
         """KV-pool, preemption and session-cache fields."""

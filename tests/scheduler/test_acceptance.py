@@ -84,7 +84,7 @@ def test_calibration_starts_at_one_and_follows_what_the_verified_tokens_accept()
     assert estimator.estimate(req, draft) == pytest.approx([0.4 * factor, 0.0])
     assert estimator.estimate(make_request(), draft) == [0.4, 0.0]  # greedy decoding is calibrated apart
     assert estimator.factor("copyspec", True) == 1.0  # and so is every drafter
-    assert estimator.factors() == {("spectra", True): pytest.approx(factor)}
+    assert estimator.factors() == {"spectra": {"sampled": pytest.approx(factor)}}
 
 
 def test_calibration_forgets_old_tokens_and_never_raises_an_estimate_past_099():

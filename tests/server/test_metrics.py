@@ -101,3 +101,11 @@ def test_later_turns_feed_session_hits_and_misses_by_kind_both_kinds_exported_fr
     assert sample(metrics, "session_hits_total", kind="implicit") == 2
     assert sample(metrics, "session_misses_total", kind="implicit") == 6
     assert sample(metrics, "session_misses_total", kind="explicit") == 0
+
+
+def test_the_planners_calibration_is_a_gauge_per_drafter_and_decoding():
+    metrics = ServerMetrics(MODEL)
+    metrics.observe_step(StepStats(acceptance_calibration={"spectra": {"sampled": 0.6, "greedy": 1.1}}))
+    metrics.observe_step(StepStats(acceptance_calibration={"spectra": {"sampled": 0.55}}))
+    assert sample(metrics, "planner_acceptance_calibration", drafter="spectra", decoding="sampled") == 0.55
+    assert sample(metrics, "planner_acceptance_calibration", drafter="spectra", decoding="greedy") == 1.1
