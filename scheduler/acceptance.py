@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from drafters.base import Draft
-from drafters.tree import depths, scored_walk, sibling_ranks
+from drafters.tree import ROOT, depths, scored_walk, sibling_ranks
 from scheduler.request import Request
 
 NodeKey = tuple[int, int]  # (depth, sibling rank); depth 1 = a child of the request's last token
@@ -154,7 +154,7 @@ class CalibratedEstimator:
 
 
 def tried_nodes(parents: list[int], accepted: list[int]) -> list[tuple[int, bool]]:
-    """Of a verified selection (PARENTS within it, -1 the last token), each node whose parent was ACCEPTED (or is the
-    last token), with whether it was accepted itself."""
+    """Of a verified selection (PARENTS within it, ROOT the last token), each node whose parent was ACCEPTED (or is
+    the last token), with whether it was accepted itself."""
     on_path = set(accepted)
-    return [(node, node in on_path) for node, parent in enumerate(parents) if parent == -1 or parent in on_path]
+    return [(node, node in on_path) for node, parent in enumerate(parents) if parent == ROOT or parent in on_path]
