@@ -77,8 +77,8 @@ def test_the_backward_guess_follows_the_longest_known_context_token_by_token():
     index.add_chain([1, 3])  # after (1,): 3, the latest
     index.add_chain([7, 9])
     # context ... 9, 1: the 2-token context (9, 1) says 7 (not (1,) -> 3); then (1, 7) is unknown, (7,) says 9; ...
-    assert index.backward_guess([4, 9, 1], max_tokens=4) == ([7, 9, 1, 7], False)
-    assert index.backward_guess([4, 6], max_tokens=4) == ([], False)  # nothing known after 6
+    assert index.backward_guess([4, 9, 1], max_tokens=4) == ([7, 9, 1, 7], False, 2)  # the first after 2 tokens
+    assert index.backward_guess([4, 6], max_tokens=4) == ([], False, 0)  # nothing known after 6
 
 
 def test_guesses_put_the_backward_one_first_cap_at_g_and_merge_into_one_tree():
@@ -88,8 +88,9 @@ def test_guesses_put_the_backward_one_first_cap_at_g_and_merge_into_one_tree():
     drafter.begin(req)
     index = drafter._corpora["r"].index
     guesses = drafter.guesses(index, tokens)
-    assert index.backward_guess(tokens, 3) == ([7, 8, 0], False) and guesses[0].token_ids == [7, 8, 0]
-    assert [g.kind for g in guesses] == ["backward", "forward:rank1", "forward:rank2"]  # rank 0 is [7, 8]: covered
+    assert index.backward_guess(tokens, 3) == ([7, 8, 0], False, 2) and guesses[0].token_ids == [7, 8, 0]
+    # forward rank 0 ([7, 8]) is covered by the backward guess
+    assert [g.kind for g in guesses] == ["backward:context2", "forward:rank1", "forward:rank2"]
     assert [g.token_ids for g in guesses[1:]] == [[5, 6], [2, 4]]
     draft = drafter.propose([req])[0]
     assert draft.source == "spectra-core" and len(draft.acceptance) == len(draft) == 7 and draft.lookahead == ()
@@ -113,9 +114,9 @@ def test_the_model_bigram_adds_its_rows_after_the_other_guesses_leaving_out_cove
     tokens = [1, 2, 3, 0, 1]  # the backward guess [2, 3, 0] covers the bigram's first row [2, 3]
     drafter.begin(Req("s", tokens))
     guesses = drafter.guesses(drafter._corpora["s"].index, tokens)
-    assert [(g.kind, g.token_ids) for g in guesses] == [("backward", [2, 3, 0]), ("bigram:rank1", [3, 1])]
+    assert [(g.kind, g.token_ids) for g in guesses] == [("backward:context1", [2, 3, 0]), ("bigram:rank1", [3, 1])]
     drafter.bigram = SimpleNamespace(table=None)
-    assert [g.kind for g in drafter.guesses(drafter._corpora["s"].index, tokens)] == ["backward"]
+    assert [g.kind for g in drafter.guesses(drafter._corpora["s"].index, tokens)] == ["backward:context1"]
 
 
 @pytest.mark.parametrize("kept", ["backward", "forward"])
@@ -129,7 +130,7 @@ def test_drafting_from_one_dictionary_alone_leaves_out_the_others_guesses(kept):
     guesses = drafter.guesses(index, tokens)
     assert index.backward and index.forward
     if kept == "backward":
-        assert [(g.kind, g.token_ids) for g in guesses] == [("backward", [7, 8, 0])]
+        assert [(g.kind, g.token_ids) for g in guesses] == [("backward:context2", [7, 8, 0])]
     else:
         assert [g.token_ids for g in guesses] == [[7, 8], [5, 6], [2, 4]]
         assert all(g.kind.startswith("forward") for g in guesses)
@@ -143,7 +144,7 @@ def test_the_steps_tokens_score_the_last_guesses_by_kind():
     req.all_token_ids.append(2)
     drafter.extend(req, [2])
     for rates in (drafter.rates, drafter._request_rates["r"]):  # every request's, and the request's own
-        assert rates.counts("backward", 1) == (1, 1) and rates.counts("backward", 2) == (0, 0)
+        assert rates.counts("backward:context1", 1) == (1, 1) and rates.counts("backward:context1", 2) == (0, 0)
 
 
 def test_tree_nodes_take_the_first_guess_kind_and_are_scored_apart_where_guesses_agree():
@@ -171,7 +172,7 @@ def test_a_requests_own_outcomes_rate_its_guesses_before_every_requests_do():
     right, wrong = Req("right", [1, 2, 3, 1]), Req("wrong", [1, 2, 3, 1])  # both guess 2 3 1 (backward) next
     for req in (right, wrong):
         drafter.begin(req)
-    kind = "backward"
+    kind = "backward:context1"  # after 1: the 2 of 1 2 3
     for request_id, hits in (("right", 10), ("wrong", 0)):  # ten backward guesses each: all right, all wrong
         drafter._request_rates[request_id] = own = RowRates()
         for index in range(10):
@@ -195,7 +196,7 @@ def test_a_next_turn_resumes_the_dictionaries():
     assert drafter._corpora["b"] is state and state.index.num_indexed == 6
     # after 4: the first turn's 4 5 6 7, backward token by token, and forward (a prefix of it, so left out)
     assert [(g.token_ids, g.kind) for g in drafter.guesses(state.index, second.all_token_ids)] == [
-        ([5, 6, 7], "backward")]
+        ([5, 6, 7], "backward:context1")]
 
 
 @pytest.mark.parametrize("n", [1, 0])
@@ -252,7 +253,8 @@ def test_what_look_ahead_rows_earned_is_credited_per_row():
     assert drafter.lookahead_yield.rows == 2 and drafter.lookahead_yield.per_row < prior  # nothing earned yet
     drafter.propose([req])
     guesses = drafter._proposed["r"].guesses
-    assert [(g.token_ids, g.kind) for g in guesses] == [([6, 9], "backward:pool")]  # only the pool knows what follows
+    # only the pool knows what follows
+    assert [(g.token_ids, g.kind) for g in guesses] == [([6, 9], "backward:context1:pool")]
     drafter.extend(req, [6, 9])  # the target's tokens: both guessed tokens, and no other guess had them
     assert drafter.lookahead_yield.earned == 2
     assert drafter.lookahead_yield.per_row == (2 + prior * 64) / (2 + 64)
@@ -271,7 +273,8 @@ def test_finished_responses_feed_the_traffic_index_that_later_requests_draw_on()
     drafter.begin(second)
     guesses = drafter.guesses(drafter._corpora["b"].index, second.all_token_ids)
     # the core's G = 1 guess first, then retrieval's beyond G
-    assert [(g.token_ids, g.kind) for g in guesses] == [([1, 7, 8], "backward"), ([10, 11, 12], "traffic:short")]
+    assert [(g.token_ids, g.kind) for g in guesses] == [
+        ([1, 7, 8], "backward:context2"), ([10, 11, 12], "traffic:short")]
     assert drafter.propose([second])[0].source == "spectra"
 
 
