@@ -52,11 +52,13 @@ def verify_greedy(argmax: list[int], draft_token_ids: list[int], draft_parents: 
 
 
 def verify_sampled(
-    probs: torch.Tensor, draft_token_ids: list[int], draft_parents: list[int], uniforms: list[float],
+    probs: Callable[[int], torch.Tensor], draft_token_ids: list[int], draft_parents: list[int],
+    uniforms: list[float],
 ) -> Verification:
-    """probs [1 + num_draft, vocab] target distributions; uniforms [max depth + 1] in (0, 1], one per depth."""
+    """probs(row) -> [vocab] the target distribution at logits row `row`, asked only of the rows the walk reaches
+    (a tree's other rows are never normalised); uniforms [max depth + 1] in (0, 1], one per depth."""
     return walk_tree(
-        lambda row, depth: inverse_cdf_samples(probs[row:row + 1], [uniforms[depth]])[0],
+        lambda row, depth: inverse_cdf_samples(probs(row)[None], [uniforms[depth]])[0],
         draft_token_ids, draft_parents,
     )
 
@@ -189,7 +191,8 @@ class Verifier:
     ) -> Verification:
         if params.greedy:
             return verify_greedy(greedy_tokens(logits), draft_token_ids, draft_parents)
-        return verify_sampled(target_probs(logits, params), draft_token_ids, draft_parents, uniforms)
+        return verify_sampled(lambda row: target_probs(logits[row:row + 1], params)[0], draft_token_ids, draft_parents,
+                              uniforms)
 
     @staticmethod
     def _stream(streams: dict[str, UniformStream], request_id: str, seed: int | None) -> UniformStream:

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.sampler import UniformStream, inverse_cdf_samples, target_probs
+from engine.sampler import UniformStream, inverse_cdf_samples, inverse_cdf_tensor, target_probs
 from engine.wire import SamplingParams
 
 
@@ -32,3 +32,21 @@ def test_a_uniform_stream_gives_each_position_one_uniform_however_it_is_consumed
         seen += uniforms[:num_used]
         stream.advance(num_used)
     assert seen == whole and all(0 < u <= 1 for u in whole)
+    generator = torch.Generator().manual_seed(3)  # drawn ahead in chunks, the same as drawn one at a time
+    assert whole == [1.0 - torch.rand(1, generator=generator, dtype=torch.float64).item() for _ in range(6)]
+
+
+def test_inverse_cdf_over_a_large_vocabulary_is_the_first_token_reaching_u_times_the_mass():
+    """Row by row on the host and all rows at once on a device: the token where one float64 cumulative sum over the
+    row first reaches u * total, never one without mass (most of a row masked as top-k; uniforms at the edges)."""
+    generator = torch.Generator().manual_seed(5)
+    probs = torch.softmax(torch.randn(4, 49_152, generator=generator) * 3, dim=-1)
+    probs[2, probs[2] < probs[2].topk(7).values[-1]] = 0.0  # seven tokens left, scattered over the row
+    probs[3, :-1] = 0.0  # all mass on the last token
+    uniforms = [1e-12, 0.5, 1.0] + torch.rand(40, generator=generator, dtype=torch.float64).tolist()
+    for row in range(4):
+        cdf = probs[row].double().cumsum(-1)
+        expected = [int(torch.searchsorted(cdf, u * cdf[-1:]).clamp(max=49_151)) for u in uniforms]
+        rows = probs[row:row + 1].expand(len(uniforms), -1)
+        assert inverse_cdf_samples(rows, uniforms) == expected == inverse_cdf_tensor(rows, uniforms).tolist()
+        assert all(probs[row, token] > 0 for token in expected)

@@ -40,7 +40,7 @@ def model_distribution(prefix: tuple) -> torch.Tensor:
 def sample_two_tokens(tokens, parents, stream):
     """Verify a draft tree against the made-up target, then sample plainly up to two output tokens."""
     rows = [model_distribution(())] + [model_distribution(tuple(path(parents, tokens, j))) for j in range(len(tokens))]
-    result = verify_sampled(torch.stack(rows), tokens, parents, stream.next(len(tokens) + 1))
+    result = verify_sampled(lambda row: rows[row], tokens, parents, stream.next(len(tokens) + 1))
     stream.advance(len(result.token_ids))
     out = result.token_ids
     while len(out) < 2:  # the next steps sample plainly, each from its position's own uniform
@@ -84,7 +84,7 @@ def test_a_depths_token_does_not_depend_on_what_was_drafted():
     uniforms = [0.9, 0.15, 0.5]
     own = inverse_cdf_samples(probs[:1], uniforms[:1])[0]
     for tokens, parents in (([], []), ([own], [-1]), ([(own + 1) % VOCAB, own], [-1, -1])):
-        assert verify_sampled(probs, tokens, parents, uniforms).token_ids[0] == own
+        assert verify_sampled(lambda row: probs[row], tokens, parents, uniforms).token_ids[0] == own
 
 
 def test_the_residual_rule_emits_every_token_with_the_target_probability():
