@@ -131,6 +131,7 @@ class PackedBatch:
     groups: list[AttentionGroup] = field(default_factory=list)  # sdpa: sequences whose blocks are gathered
     spans: list[InPlaceSpan] = field(default_factory=list)  # sdpa: sequences read in place
     span_table: tuple | None = None  # the spans' query starts and lengths and key slots (row kernel)
+    in_place: dict = field(default_factory=dict)  # (window, rows) -> `in_place_spans`, the same in every layer
     flash: FlashMetadata | None = None  # flash: the chains
     paged_rows: PagedRows | None = None  # triton: the short chains' rows (engine/model/triton_attention.py)
     capture_heads: dict[int, list[int]] = field(default_factory=dict)  # layer -> query heads whose rows are captured
@@ -230,7 +231,14 @@ def _span_table(batch: PackedBatch) -> tuple:
 def in_place_spans(batch: PackedBatch, window: int | None, num_rows: int) -> tuple | None:
     """(query starts, query lengths, key slots, masks narrowed to WINDOW) of BATCH's spans, when
     the CPU row kernel attends all NUM_ROWS of its rows in place and nothing else is asked of the layer's attention
-    (engine/model/csrc/decoder_layer.cpp runs the whole layer then); else None."""
+    (engine/model/csrc/decoder_layer.cpp runs the whole layer then); else None. Made once per step and window."""
+    key = (window, num_rows)
+    if key not in batch.in_place:
+        batch.in_place[key] = _in_place_spans(batch, window, num_rows)
+    return batch.in_place[key]
+
+
+def _in_place_spans(batch: PackedBatch, window: int | None, num_rows: int) -> tuple | None:
     if (batch.groups or batch.flash is not None or batch.capture_heads or not batch.spans
             or batch.pool.keys.device.type != "cpu" or not _row_kernel_runs()):
         return None
