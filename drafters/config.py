@@ -32,6 +32,9 @@ class SpecConfig:
         "SPECTRA: chains in its candidate pool (W), advanced through look-ahead rows as the planner allows; 0: none")})
     spectra_tau: float = field(default=0.9, metadata={"help": (  # drafters/spectra.py's TAU says why not 0.1
         "SPECTRA: a pool chain takes the most probable token its forward dictionary lacks when r > tau, r ~ U(0, 1)")})
+    spectra_bigram_rows: int = field(default=0, metadata={"help": (  # bench/README.md: the host time outweighs them
+        "SPECTRA: rows of N - 1 tokens from the model bigram after the other guesses (raise tokens per call where "
+        "every guess is verified; with the planner on, on a CPU, their host time costs more than they add); 0: none")})
     spectra_index_mib: int = field(default=64, metadata={"help": (
         "SPECTRA: host memory (MiB) of the index of finished responses every request drafts from, oldest out; "
         "0: none (spectra-core never has one)")})
@@ -45,8 +48,10 @@ class SpecConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.spectra_n < 2:
             raise ValueError("spectra_n must be at least 2")
-        if self.spectra_pool < 0 or self.spectra_index_mib < 0 or not 0.0 <= self.spectra_tau <= 1.0:
-            raise ValueError("spectra_pool and spectra_index_mib must be at least 0 and spectra_tau within [0, 1]")
+        if min(self.spectra_pool, self.spectra_index_mib, self.spectra_bigram_rows) < 0:
+            raise ValueError("spectra_pool, spectra_index_mib and spectra_bigram_rows must be at least 0")
+        if not 0.0 <= self.spectra_tau <= 1.0:
+            raise ValueError("spectra_tau must be within [0, 1]")
         if self.pld_plus_layer is not None and self.pld_plus_layer < 1:
             raise ValueError("pld_plus_layer must be at least 1")
         if self.pld_plus_num_heads is not None and self.pld_plus_num_heads < 1:

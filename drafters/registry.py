@@ -97,12 +97,18 @@ def _spectra(config: SpecConfig, context: DrafterContext) -> Drafter:
         logger.info("no SPECTRA corpus for this model yet (`specserve calibrate corpus`): retrieval from the "
                     "server's own responses only")
     return SpectraDrafter(config.spectra_n, config.spectra_guesses, config.spectra_pool, config.spectra_tau,
-                          traffic=traffic, corpus=corpus, bigram=model_bigram(context))
+                          traffic=traffic, corpus=corpus, **_spectra_bigram(config, context))
 
 
 def _spectra_core(config: SpecConfig, context: DrafterContext) -> Drafter:
     return SpectraDrafter(config.spectra_n, config.spectra_guesses, config.spectra_pool, config.spectra_tau,
-                          bigram=model_bigram(context))
+                          **_spectra_bigram(config, context))
+
+
+def _spectra_bigram(config: SpecConfig, context: DrafterContext) -> dict:
+    """SPECTRA's model-bigram rows, the table built only when it has any."""
+    rows = config.spectra_bigram_rows
+    return {"bigram": model_bigram(context) if rows else None, "bigram_guesses": rows}
 
 
 logger = logging.getLogger("specserve.drafters")

@@ -27,9 +27,11 @@ shrunk towards those of every request: how often the backward guess is right dif
 carry the dictionaries from one turn of a conversation to the next (drafters/corpus.py).
 
 Beyond the paper, the model bigram (drafters/bigram.py: the target's own top next tokens after the last token alone,
-each extended by its argmax) fills BIGRAM_GUESSES more rows after the others, as the n-gram paper's mixed strategy
-fills its rows: where every guess is verified it raises MT-Bench's tokens per call from 2.17 to 2.33, and the
-goodput planner, pricing them by their measured acceptance (3-8 %), verifies them rarely.
+each extended by its argmax) can fill `--spectra-bigram-rows` more rows after the others, as the n-gram paper's mixed
+strategy fills its rows: where every guess is verified 5 rows raise MT-Bench's tokens per call from 2.23 to 2.38, but
+with the goodput planner on, which verifies them rarely (3-8 % accepted at depth 1), the host time of building and
+pricing them costs more than they add on this CPU (greedy, planner on: 1.25 / 1.24 / 1.19x `none` with them, 1.29 /
+1.28 / 1.21x without, MT-Bench / HumanEval / GSM8K), so by default there are none.
 
 SPECTRA-RETRIEVAL's guesses follow the core's: the continuations of the context's end in two retrieval indexes
 (drafters/retrieval.py), the server's own traffic first (every finished response, behind the last tokens of its
@@ -76,7 +78,6 @@ LONG_RETRIEVAL_TOKENS = 32  # and may run this long: SuffixDecoding drafts furth
 # a response joins the traffic index behind its prompt's last tokens: a later response's first tokens are then drafted
 # from the response whose prompt ended most like its own (a match is measured back MAX_MATCH tokens)
 PROMPT_TAIL_TOKENS = MAX_MATCH
-BIGRAM_GUESSES = 5  # rows of N - 1 tokens the model bigram adds after the other guesses
 DICTIONARIES = ("backward", "forward")  # both are kept up to date; the ablation drafts from one alone
 
 
@@ -282,7 +283,7 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
     def __init__(self, n: int = NGRAM, max_guesses: int = MAX_GUESSES, pool_size: int = POOL_SIZE,
                  tau: float = TAU, per_key_cap: int = PER_KEY_CAP, seed: int = 0,
                  traffic: SuffixIndex | None = None, corpus: SuffixIndex | None = None,
-                 bigram: BackgroundTable | None = None, bigram_guesses: int = BIGRAM_GUESSES) -> None:
+                 bigram: BackgroundTable | None = None, bigram_guesses: int = 0) -> None:
         super().__init__(lambda: NgramDictionaries(n, per_key_cap))
         self.name = "spectra" if traffic is not None or corpus is not None else "spectra-core"
         self.traffic = traffic

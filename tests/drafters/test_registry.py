@@ -25,6 +25,9 @@ def test_registry_builds_by_name(tmp_path):
     assert (ngram.k, ngram.w) == (4, 6) and ngram.bigram.wait(30) is not None
     spectra = build_drafter(SpecConfig(drafter="spectra", spectra_n=4, spectra_guesses=9), context(tmp_path))
     assert (spectra.n, spectra.max_guesses) == (4, 9) and spectra.traffic.max_bytes == 64 * 2**20
+    assert spectra.bigram is None and spectra.bigram_guesses == 0  # no bigram rows unless asked
+    with_bigram = build_drafter(SpecConfig(drafter="spectra-core", spectra_bigram_rows=3), context(tmp_path))
+    assert with_bigram.bigram_guesses == 3 and with_bigram.bigram.wait(30) is not None
     core = build_drafter(SpecConfig(drafter="spectra-core"), context(tmp_path))
     assert core.traffic is None and core.name == "spectra-core"
     assert build_drafter(SpecConfig(drafter="spectra", spectra_index_mib=0), context(tmp_path)).traffic is None

@@ -43,7 +43,5 @@ def test_the_corpus_artifact_round_trips_and_feeds_spectra(tmp_path):
     ctx.spectra_corpus = loaded.documents
     drafter = build_drafter(SpecConfig(drafter="spectra", spectra_index_mib=0, spectra_pool=0), ctx)
     assert drafter.traffic is None and drafter.corpus.num_documents == 2 and drafter.name == "spectra"
-    assert drafter.bigram.wait(30) is not None  # its rows follow every other guess once the table is built
     guesses = drafter.guesses(drafter.new_index(), [60, 61, 7, 8, 9])
-    assert (guesses[0].token_ids, guesses[0].kind) == ([10, 11, 12], "corpus:short")
-    assert guesses[1:] and all(g.kind.startswith("bigram:") for g in guesses[1:])
+    assert drafter.bigram is None and [(g.token_ids, g.kind) for g in guesses] == [([10, 11, 12], "corpus:short")]
