@@ -15,9 +15,10 @@ given (the candidate pool's, advanced through look-ahead rows).
 Guesses (lines 7-17): the backward guess first, the forward dictionary's continuations of the last token after it,
 most recent first, at most G in all (the notes: Algorithm 1 appends the backward guess last and then truncates to
 G, which loses it whenever the forward list is full). The backward guess is built a token at a time, each from the
-longest context of the conversation and the guess so far that the backward dictionary knows, up to N tokens; its
-kind names how long its first token's context was (MT-Bench, greedy: right 0.16 of the time after 1 token, 0.37
-after 2, 0.53 after 3, 0.77 after 4; one kind for all would price a copy and a guess alike). The guesses are merged
+longest context of the conversation and the guess so far that the backward dictionary knows, up to BACKWARD_TOKENS
+(the paper: N); its kind names how long its first token's context was (MT-Bench, greedy: right 0.16 of the time
+after 1 token, 0.37 after 2, 0.53 after 3, 0.77 after 4; one kind for all would price a copy and a guess alike).
+The guesses are merged
 into one tree (drafters/tree.py) whose every node carries, for the goodput planner, the running acceptance of its
 kind at its depth (drafters/ngram.py's RowRates): a node's kind is the first guess through it, and
 whether other guesses agree on it (`node_kinds`). Nodes are scored, not guesses (a guess of one kind that agrees with
@@ -64,6 +65,11 @@ NGRAM = 5  # N: the longest n-gram the dictionaries hold
 MAX_GUESSES = 15  # G
 PER_KEY_CAP = 15  # continuations the forward dictionary keeps per token
 POOL_SIZE = 15  # W: chains in the candidate pool
+# the backward guess runs on while the backward dictionary knows a next token, up to this many tokens: the paper stops
+# at N; replaying `none`'s greedy answers (20 questions a set, no pool), tokens per call with every guess verified
+# rise with it, MT-Bench / HumanEval / GSM8K 1.81 / 2.26 / 2.32 at 5, 1.91 / 2.42 / 2.42 at 12, 1.93 / 2.45 / 2.43
+# at 16, 1.96 / 2.48 / 2.43 at 32; the planner prices each deeper token by its kind's rate at that depth
+BACKWARD_TOKENS = 16
 # the pool's refine threshold: a chain takes a token the forward dictionary lacks when r > tau, r ~ U(0, 1). The
 # paper's 0.1 as written refines 90 % of the time; here tokens per call fell as refining grew (bench/README.md,
 # SPECTRA), so the default reads the paper's 0.1 as the probability of refining: 0.9 as written
@@ -129,25 +135,39 @@ class NgramDictionaries:
             self.pool_backward.discard(context)
 
     def _add_continuation(self, token: int, continuation: tuple[int, ...], from_pool: bool) -> None:
-        listed = self.forward.setdefault(token, OrderedDict())
-        for old in listed:
-            if old[:len(continuation)] == continuation:  # already listed, perhaps longer: refresh it
-                listed.move_to_end(old)
-                if not from_pool and old == continuation:
-                    self.pool_forward.discard((token, old))
-                return
-            if continuation[:len(old)] == old:  # the new one extends it
-                del listed[old]
-                self.pool_forward.discard((token, old))
-                self.num_continuations -= 1
-                break
+        """Lists CONTINUATION under TOKEN. No listed continuation is a prefix of another, so two lookups settle the
+        common cases: the same one listed (it is refreshed), or the one a token shorter (as a window of the token list
+        grows by a token: the new one replaces it); otherwise a scan finds one it is a prefix of (refreshed) or one
+        that is a prefix of it (replaced)."""
+        listed = self.forward.get(token)
+        if listed is None:  # (setdefault would build an OrderedDict every call)
+            listed = self.forward[token] = OrderedDict()
+        if continuation in listed:
+            listed.move_to_end(continuation)
+            if not from_pool:
+                self.pool_forward.discard((token, continuation))
+            return
+        if continuation[:-1] in listed:
+            self._unlist(token, continuation[:-1])
+        else:
+            for old in listed:
+                if old[:len(continuation)] == continuation:  # a longer one is listed: refresh it
+                    listed.move_to_end(old)
+                    return
+                if continuation[:len(old)] == old:
+                    self._unlist(token, old)
+                    break
         listed[continuation] = None
         self.num_continuations += 1
         if from_pool:
             self.pool_forward.add((token, continuation))
         if len(listed) > self.per_key_cap:
-            self.pool_forward.discard((token, listed.popitem(last=False)[0]))
-            self.num_continuations -= 1
+            self._unlist(token, next(iter(listed)))  # the least recently written
+
+    def _unlist(self, token: int, continuation: tuple[int, ...]) -> None:
+        del self.forward[token][continuation]
+        self.pool_forward.discard((token, continuation))
+        self.num_continuations -= 1
 
     @property
     def num_bytes(self) -> int:
@@ -162,22 +182,24 @@ class NgramDictionaries:
         """Up to MAX_TOKENS tokens, each the backward dictionary's next token after the longest context (of the
         list's last tokens and the guess so far) that it knows; it stops where it knows none. Also whether an entry
         the pool wrote gave any of them, and how many tokens long the context of the first one was (0: no guess)."""
-        context = list(token_ids[-(self.n - 1):])
+        longest = self.n - 1
+        context = tuple(token_ids[-longest:])
         guess: list[int] = []
         from_pool = False
         first_context = 0
         while len(guess) < max_tokens:
-            key = next((key for k in range(min(self.n - 1, len(context)), 0, -1)
-                        if (key := tuple(context[-k:])) in self.backward), None)
-            if key is None:
+            for k in range(len(context), 0, -1):
+                key = context[-k:]
+                following = self.backward.get(key)
+                if following is not None:
+                    break
+            else:
                 break
-            following = self.backward[key]
             from_pool = from_pool or key in self.pool_backward
-            first_context = first_context or len(key)
+            first_context = first_context or k
             guess.append(following)
-            context = context[1:] + [following] if len(context) == self.n - 1 else context + [following]
+            context = (context + (following,))[-longest:]
         return guess, from_pool, first_context
-
 
 class CandidatePool:
     """W chains of N - 1 tokens, advanced a token at a time through look-ahead rows (Algorithm 1 lines 25-43).
@@ -282,6 +304,7 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
 
     def __init__(self, n: int = NGRAM, max_guesses: int = MAX_GUESSES, pool_size: int = POOL_SIZE,
                  tau: float = TAU, per_key_cap: int = PER_KEY_CAP, seed: int = 0,
+                 backward_tokens: int = BACKWARD_TOKENS,
                  traffic: SuffixIndex | None = None, corpus: SuffixIndex | None = None,
                  bigram: BackgroundTable | None = None, bigram_guesses: int = 0) -> None:
         super().__init__(lambda: NgramDictionaries(n, per_key_cap))
@@ -292,6 +315,7 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
         self.bigram_guesses = bigram_guesses
         self._prompt_lengths: dict[str, int] = {}  # request id -> its prompt's tokens (its response follows)
         self.n = n
+        self.backward_tokens = backward_tokens
         self.max_guesses = max_guesses
         self.pool_size = pool_size
         self.tau = tau
@@ -349,7 +373,7 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
         (a prefix of one taken before) adds no token and is left out."""
         candidates = []
         if "backward" in self.dictionaries:
-            backward, from_pool, context = index.backward_guess(token_ids, self.n)
+            backward, from_pool, context = index.backward_guess(token_ids, self.backward_tokens)
             candidates.append(Guess(backward, f"backward:context{context}" + (":pool" if from_pool else ""), from_pool))
         if "forward" in self.dictionaries:
             candidates += [Guess(guess, f"forward:rank{min(rank, 3)}" + (":pool" if from_pool else ""), from_pool)

@@ -57,6 +57,24 @@ def test_each_tokens_list_keeps_its_most_recent_continuations():
     assert guesses_of(index, 1) == [[29], [28], [27], [26]]
 
 
+def test_no_listed_continuation_is_a_prefix_of_another_whatever_the_order_of_writes():
+    """The forward dictionary's updates rely on it: a continuation and one a token shorter are never both listed."""
+    rng = random.Random(1)
+    index = NgramDictionaries(per_key_cap=4)
+    tokens = []
+    for _ in range(400):
+        if rng.random() < 0.3:
+            index.add_chain([rng.randrange(5) for _ in range(rng.randint(1, 5))], from_pool=True)
+        else:
+            tokens.append(rng.randrange(5))
+            index.extend(tokens)
+    for listed in index.forward.values():
+        assert len(listed) <= 4
+        assert not any(a != b and b[:len(a)] == a for a in listed for b in listed)
+    assert index.num_continuations == sum(len(listed) for listed in index.forward.values())
+    assert all(continuation in index.forward[token] for token, continuation in index.pool_forward)
+
+
 def test_incremental_and_one_shot_indexing_agree():
     rng = random.Random(0)
     tokens = [rng.randrange(6) for _ in range(300)]
@@ -81,8 +99,22 @@ def test_the_backward_guess_follows_the_longest_known_context_token_by_token():
     assert index.backward_guess([4, 6], max_tokens=4) == ([], False, 0)  # nothing known after 6
 
 
+def test_the_backward_guess_runs_past_n_while_the_dictionary_knows_the_next_token():
+    drafter = SpectraDrafter(n=3, pool_size=0, backward_tokens=7)
+    tokens = [5, 1, 2, 3, 4, 1, 2]
+    req = Req("r", tokens)
+    drafter.begin(req)
+    guess = drafter.guesses(drafter._corpora["r"].index, tokens)[0]
+    # after (1, 2) comes 3, then 4, 1, 2, 3, ... as the list repeats itself, cut at 7 tokens
+    assert guess.token_ids == [3, 4, 1, 2, 3, 4, 1] and guess.kind == "backward:context2"
+    drafter = SpectraDrafter(n=3, pool_size=0, backward_tokens=7)
+    tokens = [5, 1, 2, 3, 9]
+    drafter.begin(Req("s", tokens))
+    assert drafter.backward_tokens == 7 and drafter.guesses(drafter._corpora["s"].index, [1, 2])[0].token_ids == [3, 9]
+
+
 def test_guesses_put_the_backward_one_first_cap_at_g_and_merge_into_one_tree():
-    drafter = SpectraDrafter(n=3, max_guesses=3, pool_size=0)
+    drafter = SpectraDrafter(n=3, max_guesses=3, pool_size=0, backward_tokens=3)
     tokens = [1, 2, 3, 0, 1, 2, 4, 0, 1, 5, 6, 0, 1, 7, 8, 0, 1]
     req = Req("r", tokens)
     drafter.begin(req)
@@ -106,7 +138,7 @@ def test_the_model_bigram_adds_its_rows_after_the_other_guesses_leaving_out_cove
 
     top_ids = torch.tensor([[0, 1], [2, 3], [3, 2], [1, 0], [0, 0], [0, 0], [0, 0], [0, 0], [0, 0]], dtype=torch.int32)
     bigram = SimpleNamespace(table=BigramTable(top_ids))  # after 1: 2 then 3; argmax chain 2 -> 3 -> 1 -> 2
-    drafter = SpectraDrafter(n=3, max_guesses=3, pool_size=0, bigram=bigram, bigram_guesses=2)
+    drafter = SpectraDrafter(n=3, max_guesses=3, pool_size=0, backward_tokens=3, bigram=bigram, bigram_guesses=2)
     tokens = [5, 6, 7, 1]
     drafter.begin(Req("r", tokens))
     guesses = drafter.guesses(drafter._corpora["r"].index, tokens)
@@ -122,7 +154,7 @@ def test_the_model_bigram_adds_its_rows_after_the_other_guesses_leaving_out_cove
 @pytest.mark.parametrize("kept", ["backward", "forward"])
 def test_drafting_from_one_dictionary_alone_leaves_out_the_others_guesses(kept):
     """The ablation's switch: both dictionaries still learn; guesses come from the one kept."""
-    drafter = SpectraDrafter(n=3, max_guesses=3, pool_size=0)
+    drafter = SpectraDrafter(n=3, max_guesses=3, pool_size=0, backward_tokens=3)
     drafter.dictionaries = frozenset({kept})
     tokens = [1, 2, 3, 0, 1, 2, 4, 0, 1, 5, 6, 0, 1, 7, 8, 0, 1]
     drafter.begin(Req("r", tokens))
@@ -187,7 +219,7 @@ def test_a_requests_own_outcomes_rate_its_guesses_before_every_requests_do():
 
 
 def test_a_next_turn_resumes_the_dictionaries():
-    drafter = SpectraDrafter(n=3)
+    drafter = SpectraDrafter(n=3, backward_tokens=3)
     first = Req("a", [4, 5, 6, 7])
     drafter.begin(first)
     state = drafter.finish(first)
@@ -263,7 +295,7 @@ def test_what_look_ahead_rows_earned_is_credited_per_row():
 def test_finished_responses_feed_the_traffic_index_that_later_requests_draw_on():
     from drafters.retrieval import SuffixIndex
 
-    drafter = SpectraDrafter(n=3, max_guesses=1, pool_size=0, traffic=SuffixIndex(2**20))
+    drafter = SpectraDrafter(n=3, max_guesses=1, pool_size=0, backward_tokens=3, traffic=SuffixIndex(2**20))
     first = Req("a", [50, 51])
     drafter.begin(first)
     first.all_token_ids += [7, 8, 9, 10, 11, 12]  # its response
