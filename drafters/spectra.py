@@ -18,10 +18,9 @@ G, which loses it whenever the forward list is full). The backward guess is buil
 longest context of the conversation and the guess so far that the backward dictionary knows, up to BACKWARD_TOKENS
 (the paper: N); its kind names how long its first token's context was (MT-Bench, greedy: right 0.16 of the time
 after 1 token, 0.37 after 2, 0.53 after 3, 0.77 after 4; one kind for all would price a copy and a guess alike).
-The guesses are merged
-into one tree (drafters/tree.py) whose every node carries, for the goodput planner, the running acceptance of its
-kind at its depth (drafters/ngram.py's RowRates): a node's kind is the first guess through it, and
-whether other guesses agree on it (`node_kinds`). Nodes are scored, not guesses (a guess of one kind that agrees with
+The guesses are merged into one tree (drafters/tree.py) whose every node carries, for the goodput planner, the
+running acceptance of its kind at its depth (drafters/ngram.py's RowRates): a node's kind is the first guess
+through it, and whether other guesses agree on it (`node_kinds`). Nodes are scored, not guesses (a guess of one kind that agrees with
 an earlier one is right far more often than one that branches off alone), and each request's own rates count first,
 shrunk towards those of every request: how often the backward guess is right differs from one question to the next
 (MT-Bench: 0.28 on some, 0.58 on others), so rates over all requests alone lag behind and misprice the rows. Sessions
@@ -200,6 +199,7 @@ class NgramDictionaries:
             guess.append(following)
             context = (context + (following,))[-longest:]
         return guess, from_pool, first_context
+
 
 class CandidatePool:
     """W chains of N - 1 tokens, advanced a token at a time through look-ahead rows (Algorithm 1 lines 25-43).
