@@ -13,18 +13,18 @@ them with the candidate pool's chains, Algorithm 1 lines 35-41) and with every c
 given (the candidate pool's, advanced through look-ahead rows).
 
 Guesses (lines 7-17): the backward guess first, the forward dictionary's continuations of the last token after it,
-most recent first, at most G in all (the notes: Algorithm 1 appends the backward guess last and then truncates to
-G, which loses it whenever the forward list is full). The backward guess is built a token at a time, each from the
+most recent first, at most G in all (the notes: Algorithm 1 appends the backward guess last and then truncates to G,
+which loses it whenever the forward list is full). The backward guess is built a token at a time, each from the
 longest context of the conversation and the guess so far that the backward dictionary knows, up to BACKWARD_TOKENS
 (the paper: N); its kind names how long its first token's context was (MT-Bench, greedy: right 0.16 of the time
-after 1 token, 0.37 after 2, 0.53 after 3, 0.77 after 4; one kind for all would price a copy and a guess alike).
-The guesses are merged into one tree (drafters/tree.py) whose every node carries, for the goodput planner, the
-running acceptance of its kind at its depth (drafters/ngram.py's RowRates): a node's kind is the first guess
-through it, and whether other guesses agree on it (`node_kinds`). Nodes are scored, not guesses (a guess of one kind that agrees with
-an earlier one is right far more often than one that branches off alone), and each request's own rates count first,
-shrunk towards those of every request: how often the backward guess is right differs from one question to the next
-(MT-Bench: 0.28 on some, 0.58 on others), so rates over all requests alone lag behind and misprice the rows. Sessions
-carry the dictionaries from one turn of a conversation to the next (drafters/corpus.py).
+after 1 token, 0.37 after 2, 0.53 after 3, 0.77 after 4; one kind for all would price a copy and a guess alike). The
+guesses are merged into one tree (drafters/tree.py) whose every node carries, for the goodput planner, the running
+acceptance of its kind at its depth (drafters/ngram.py's RowRates): a node's kind is the first guess through it, and
+whether other guesses agree on it (`node_kinds`). Nodes are scored, not guesses (a guess of one kind that agrees
+with an earlier one is right far more often than one that branches off alone), and each request's own rates count
+first, shrunk towards those of every request: how often the backward guess is right differs from one question to the
+next (MT-Bench: 0.28 on some, 0.58 on others), so rates over all requests alone lag behind and misprice the rows.
+Sessions carry the dictionaries from one turn of a conversation to the next (drafters/corpus.py).
 
 Beyond the paper, the model bigram (drafters/bigram.py: the target's own top next tokens after the last token alone,
 each extended by its argmax) can fill `--spectra-bigram-rows` more rows after the others, as the n-gram paper's mixed
