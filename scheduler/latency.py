@@ -16,8 +16,8 @@ import bisect
 
 # weight of the latest measurement in the running means of what real forwards cost beyond a profile
 OVERHEAD_SMOOTHING = 0.1
-# a price per row unmeasured for STALE_STEPS steps shrinks by ROW_PRICE_DECAY a step (StepOverhead): one ten times
-# too high falls back within ~260 steps without rows
+# a price per row unmeasured for STALE_STEPS steps that declined rows shrinks by ROW_PRICE_DECAY a step (StepOverhead):
+# one ten times too high falls back within ~260 such steps
 STALE_STEPS = 32
 ROW_PRICE_DECAY = 0.01
 ERROR_BOUND = 3.0  # a step's error counts at most this many times its predicted seconds (StepOverhead)
@@ -71,14 +71,17 @@ class StepOverhead:
     Two guards keep one bad step from ending speculation for good. A step's error counts at most ERROR_BOUND times
     its predicted seconds: a step descheduled or faulting for half a second says little about rows, and its full
     error would raise the price per row so far that the planner verifies no row again. And a price per row is only
-    measured by steps that verify rows, so one too high would never be corrected: after STALE_STEPS steps without
-    rows, each further one shrinks it by ROW_PRICE_DECAY, until rows pay again in the planner's eyes and their
-    steps measure it anew (a price that is right then costs an occasional retry while drafts do not pay)."""
+    measured by steps that verify rows, so one too high would never be corrected: after STALE_STEPS steps that
+    declined every row offered them, each further one shrinks it by ROW_PRICE_DECAY, until rows pay again in the
+    planner's eyes and their steps measure it anew (a price that is right then costs an occasional retry while drafts
+    do not pay). Steps offered no row say nothing about the price and leave it be: where drafts rarely pay (sampling
+    at T = 1 on chat), requests rest from drafting most steps (scheduler/drafting_gate.py), and counting those steps
+    shrank the price to a tenth of what a row costs, so that the planner verified rows at a loss."""
 
     def __init__(self) -> None:
         # batch size class (the bit length of the batch size) -> (seconds per step, seconds per row)
         self.by_class: dict[int, tuple[float, float]] = {}
-        self.rowless: dict[int, int] = {}  # batch size class -> its steps without rows since the last with rows
+        self.declined: dict[int, int] = {}  # batch size class -> its steps that declined rows since the last with rows
 
     def __call__(self, batch_size: int, num_rows: int = 0) -> float:
         per_step, per_row = self.prices(batch_size)
@@ -92,18 +95,21 @@ class StepOverhead:
         nearest = min(self.by_class, key=lambda measured: (abs(measured - size_class), measured))
         return self.by_class[nearest]
 
-    def observe(self, batch_size: int, error: float, num_rows: int = 0, predicted: float | None = None) -> None:
+    def observe(self, batch_size: int, error: float, num_rows: int = 0, predicted: float | None = None,
+                offered: bool = False) -> None:
         """A step of BATCH_SIZE requests with NUM_ROWS rows beyond their own tokens took ERROR seconds longer than
-        PREDICTED (None: no bound on the error) with these prices."""
+        PREDICTED (None: no bound on the error) with these prices; OFFERED: drafted rows were offered to it."""
         per_step, per_row = self.prices(batch_size)
         if predicted is not None:
             bound = ERROR_BOUND * predicted
             error = min(max(error, -bound), bound)
         step = OVERHEAD_SMOOTHING * error / (1 + num_rows * num_rows)
         size_class = batch_size.bit_length()
-        self.rowless[size_class] = 0 if num_rows else self.rowless.get(size_class, 0) + 1
         if num_rows:
             per_row += step * num_rows
-        elif self.rowless[size_class] > STALE_STEPS:
-            per_row *= 1 - ROW_PRICE_DECAY
+            self.declined[size_class] = 0
+        elif offered:
+            self.declined[size_class] = self.declined.get(size_class, 0) + 1
+            if self.declined[size_class] > STALE_STEPS:
+                per_row *= 1 - ROW_PRICE_DECAY
         self.by_class[size_class] = (per_step + step, max(per_row, 0.0))

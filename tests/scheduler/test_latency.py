@@ -66,17 +66,35 @@ def test_one_stalled_step_counts_no_more_than_a_few_times_its_prediction():
     assert stalled.prices(1)[1] == pytest.approx(OVERHEAD_SMOOTHING * ERROR_BOUND * 0.012 / 2)
 
 
-def test_a_price_per_row_that_stopped_every_row_falls_back_without_rows():
+def test_a_price_per_row_that_stopped_every_row_falls_back_while_rows_are_declined():
     """Only steps with rows measure the price per row; one too high would keep the planner from ever verifying a row,
-    so steps without rows shrink it until rows are tried again."""
+    so steps that decline the rows offered them shrink it until rows are tried again."""
     overhead = StepOverhead()
     overhead.by_class[1] = (0.0, 0.050)  # 50 ms a row: no draft would ever pay
     for _ in range(STALE_STEPS):  # a while without rows is not yet a reason to doubt the price
-        overhead.observe(1, 0.0 - overhead(1), 0, predicted=0.012)
+        overhead.observe(1, 0.0 - overhead(1), 0, predicted=0.012, offered=True)
     assert overhead.prices(1)[1] == 0.050
     for _ in range(230):
-        overhead.observe(1, 0.0 - overhead(1), 0, predicted=0.012)
+        overhead.observe(1, 0.0 - overhead(1), 0, predicted=0.012, offered=True)
     assert overhead.prices(1)[1] == pytest.approx(0.050 * (1 - ROW_PRICE_DECAY) ** 230)
     assert overhead.prices(1)[1] < 0.005
     overhead.observe(1, 0.0 - overhead(1, 1), 1, predicted=0.012)  # a step with a row measures it again
-    assert overhead.rowless[1] == 0
+    assert overhead.declined[1] == 0
+
+
+def test_steps_offered_no_row_leave_the_price_per_row_as_measured():
+    """Requests resting from drafting (scheduler/drafting_gate.py) offer no rows for most steps; those steps say
+    nothing of what a row costs, so the price the last rows measured stays, and the planner does not come to verify
+    rows at a loss because drafts were rarely offered."""
+    overhead = StepOverhead()
+    for i in range(3000):
+        rows = i % 3
+        overhead.observe(1, 0.001 + 0.0009 * rows - overhead(1, rows), rows, predicted=0.008)
+    measured = overhead.prices(1)[1]
+    assert measured == pytest.approx(0.0009, rel=0.05)
+    for _ in range(10 * STALE_STEPS):
+        overhead.observe(1, 0.001 - overhead(1), 0, predicted=0.008)
+    assert overhead.prices(1)[1] == measured
+    for _ in range(STALE_STEPS + 10):  # a few rows offered and declined after the rest: now it is doubted
+        overhead.observe(1, 0.001 - overhead(1), 0, predicted=0.008, offered=True)
+    assert overhead.prices(1)[1] == pytest.approx(measured * (1 - ROW_PRICE_DECAY) ** 10)
