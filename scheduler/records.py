@@ -58,7 +58,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)  # sent back to the waiting queue this step
     num_offered_draft_tokens: int = 0
-    num_offered_lookahead_rows: int = 0  # rows of the look-ahead chains offered beside the drafts
+    offers_rows: bool = False  # some request offered drafted or look-ahead rows (the planner may have declined them)
     num_verified_draft_tokens: int = 0
     expected_tokens: float = 0.0  # the planner's estimate of the tokens this step yields
     predicted_seconds: float = 0.0  # the latency model's estimate of this step's forward

@@ -159,7 +159,7 @@ class Scheduler:
             self.blocks.grow(req.request_id, req.num_computed_tokens + 1 + len(nodes))
             attach_draft(item, nodes)
             out.num_offered_draft_tokens += len(req.draft) if req.draft else 0
-            out.num_offered_lookahead_rows += sum(map(len, req.draft.lookahead)) if req.draft is not None else 0
+            out.offers_rows |= req.draft is not None  # set_drafts keeps only drafts with tokens or look-ahead
             out.num_verified_draft_tokens += len(nodes)
             out.expected_tokens += self.selector.expected_tokens(req, nodes)
         plan = LookaheadPlan(out, self.config.max_num_batched_tokens - out.num_scheduled_tokens,
@@ -214,7 +214,7 @@ class Scheduler:
             predicted = self._batch_seconds(out.num_scheduled_tokens, batch_size, num_rows) \
                 + self._extra_path_seconds(out)
             self.step_overhead.observe(batch_size, seconds - predicted, num_rows, predicted,
-                                       offered=out.num_offered_draft_tokens + out.num_offered_lookahead_rows > 0)
+                                       offered=out.offers_rows)
 
     # --- after verification ----------------------------------------------------------------------
     def update(self, out: SchedulerOutput, results: list[Verification]) -> StepUpdate:
