@@ -27,6 +27,7 @@ projections are GGUF blocks and every row is attended in place (decoding, verify
 (engine/model/csrc/decoder_layer.cpp), the same kernels in the same order without Python between them. On a GPU the
 same four fused calls are Triton kernels (engine/model/triton_ops.py), in the model's dtype. Elsewhere (bfloat16 on
 the CPU, no C++ compiler, SPECSERVE_CPU_ISA=none, no Triton) the layers run as torch operators.
+On the CPU the Linear weights every forward streams are kept in transparent huge pages (engine/model/huge_pages.py).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 
 from engine.model.block_linear import BlockLinear
 from engine.model.cpu_kernels import fused_ops_available
+from engine.model.huge_pages import move_to_huge_pages
 from engine.model.paged_attention import PackedBatch, attend, in_place_spans, paged_attention, triton_available
 from engine.model.weights import ConcatenatedLinear, fuse_linears
 
@@ -101,6 +103,9 @@ class LeanDecoder:
         self.scaling = (scalar or self.head_dim) ** -0.5
         self.layers = [_layer_weights(config, layer, gemma) for layer in inner.layers]
         self.next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]  # after each layer
+        if inner.embed_tokens.weight.device.type == "cpu":
+            move_to_huge_pages([*(part for x in self.layers for part in (x.qkv, x.output, x.gate_up, x.down)),
+                                self.lm_head])
         self.ops = _fused_ops(inner.embed_tokens.weight.device) if all(_fusable(x) for x in self.layers) else None
         self.fuses = self.ops is not None
         if self.ops is not None and self.ops is torch.ops.specserve:
