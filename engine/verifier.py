@@ -24,7 +24,7 @@ from drafters.tree import ROOT, chain_parents, children, depths
 from engine.grammar import Grammars
 from engine.logits_processing import LogitsProcessor
 from engine.logprobs import token_logprob
-from engine.sampler import UniformStream, greedy_tokens, inverse_cdf_samples, target_probs
+from engine.sampler import UniformStream, greedy_tokens, inverse_cdf_samples, sample_tokens, target_probs
 from engine.wire import SamplingParams, TokenLogprob
 from scheduler.records import Verification
 from scheduler.request import Request
@@ -99,7 +99,7 @@ def processed_chooser(
         if params.greedy:
             token = int(processed.argmax())
         else:
-            token = inverse_cdf_samples(target_probs(processed[None], params), [uniforms[depth]])[0]
+            token = sample_tokens(processed[None], params, [uniforms[depth]])[0]
         if params.logprobs is not None:
             logprobs.append(token_logprob(processed, token, params))
         processor.emit(token)
@@ -191,8 +191,8 @@ class Verifier:
     ) -> Verification:
         if params.greedy:
             return verify_greedy(greedy_tokens(logits), draft_token_ids, draft_parents)
-        return verify_sampled(lambda row: target_probs(logits[row:row + 1], params)[0], draft_token_ids, draft_parents,
-                              uniforms)
+        return walk_tree(lambda row, depth: sample_tokens(logits[row:row + 1], params, [uniforms[depth]])[0],
+                         draft_token_ids, draft_parents)
 
     @staticmethod
     def _stream(streams: dict[str, UniformStream], request_id: str, seed: int | None) -> UniformStream:

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from engine.sampler import UniformStream, inverse_cdf_samples, inverse_cdf_tensor, target_probs
+from engine.model.cpu_kernels import fused_ops_available
+from engine.sampler import UniformStream, inverse_cdf_samples, inverse_cdf_tensor, sample_tokens, target_probs
 from engine.wire import SamplingParams
 
 
@@ -50,3 +51,46 @@ def test_inverse_cdf_over_a_large_vocabulary_is_the_first_token_reaching_u_times
         rows = probs[row:row + 1].expand(len(uniforms), -1)
         assert inverse_cdf_samples(rows, uniforms) == expected == inverse_cdf_tensor(rows, uniforms).tolist()
         assert all(probs[row, token] > 0 for token in expected)
+
+
+needs_kernel = pytest.mark.skipif(not fused_ops_available(), reason="the fused sampler needs a C++ compiler on x86-64")
+
+
+@needs_kernel
+def test_the_fused_sampler_gives_each_token_its_share_of_evenly_spaced_uniforms():
+    """Over N evenly spaced uniforms the inverse CDF gives each token N * p of them (within the one it shares with a
+    neighbour at each boundary): the distribution itself, not a sample of it. 37 tokens (not a whole number of 16-token
+    blocks), some masked, at a temperature."""
+    logits = torch.randn(1, 37, generator=torch.Generator().manual_seed(2)) * 2
+    logits[0, [0, 5, 36]] = float("-inf")
+    params = SamplingParams(temperature=0.8)
+    num = 20_000
+    uniforms = [(k + 0.5) / num for k in range(num)]
+    tokens = sample_tokens(logits.expand(num, -1).contiguous(), params, uniforms)
+    counts = torch.bincount(torch.tensor(tokens), minlength=37).double()
+    expected = target_probs(logits, params)[0].double() * num
+    assert (counts - expected).abs().max() <= 1.0 + 1e-6
+    assert counts[[0, 5, 36]].sum() == 0
+    assert sample_tokens(logits, params, [1e-300]) == [1]  # masked tokens hold no mass at all, not exp(-87)
+
+
+@needs_kernel
+def test_the_fused_sampler_picks_the_token_whose_cdf_interval_holds_u():
+    """On a 49,152-token row, top-k-like masks included, each token is where u * total falls in the float64 CDF of
+    torch's probabilities, up to float32 rounding, and never one without mass; a row alone gives the token it gives
+    in a batch."""
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, 49_152, generator=generator) * 4
+    logits[1, logits[1] < logits[1].topk(9).values[-1]] = float("-inf")
+    params = SamplingParams(temperature=1.3)
+    uniforms = [1e-9, 0.5, 1.0] + torch.rand(30, generator=generator, dtype=torch.float64).tolist()
+    for row in range(3):
+        rows = logits[row:row + 1].expand(len(uniforms), -1).contiguous()
+        tokens = sample_tokens(rows, params, uniforms)
+        assert tokens == [sample_tokens(logits[row:row + 1], params, [u])[0] for u in uniforms]
+        probs = target_probs(logits[row:row + 1], params)[0].double()
+        cdf = probs.cumsum(-1)
+        for u, token in zip(uniforms, tokens):
+            assert probs[token] > 0
+            low = float(cdf[token - 1]) if token else 0.0
+            assert low - 1e-5 <= u * float(cdf[-1]) <= float(cdf[token]) + 1e-5

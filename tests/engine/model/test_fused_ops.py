@@ -66,7 +66,7 @@ def test_every_variant_gives_the_same_bits():
                 ops().gated_activation(gate_up, "gelu_pytorch_tanh"), ops().add_rms_norm(x.clone(), x, weight, EPS,
                                                                                           weight, EPS),
                 ops().rope_write(qkv, cos, sin, 2, 1, weight[:256], weight[256:512], EPS, keys, values,
-                                 torch.tensor([1, 3])), keys,
+                                 torch.tensor([1, 3])), keys, ops().sample_rows(gate_up, 1.3, [0.2, 0.7, 1.0]),
             ]
     finally:
         kernels().set_fused_ops_isa(default)
