@@ -58,8 +58,8 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: list[f
     """logits [n, vocab], uniforms [n] in (0, 1] -> [n] tokens drawn from `target_probs` by the inverse CDF, each at
     its uniform. Float32 logits on the CPU without top-k or top-p take the fused kernel (engine/model/csrc/
     fused_ops.cpp `sample_rows`, ~30 us a 49,152-token row against ~100 us for softmax, cumulative sum and search
-    here); the kernel's exp and sums round differently, so a uniform within
-    float rounding of a boundary between two tokens may give the other one."""
+    here); its exp and sums round differently, so a uniform within float rounding of a boundary between two tokens
+    may give the other one."""
     if _samples_fused(logits, params):
         return torch.ops.specserve.sample_rows(logits, 1.0 / params.temperature, uniforms).tolist()
     return inverse_cdf_samples(target_probs(logits, params), uniforms)
