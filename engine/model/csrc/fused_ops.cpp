@@ -524,7 +524,6 @@ void spans_attention(const torch::Tensor& query, const torch::Tensor& keys, cons
   }
 }
 
-// Which variant of the fused operators runs: "avx512", "avx2" or "generic" (tests run each).
 // logits [rows, n] float32, each row's token drawn at its uniform in (0, 1] from softmax(logits * inv_temperature)
 // -> [rows] int64 (engine/sampler.py `sample_tokens`).
 torch::Tensor sample_rows(const torch::Tensor& logits, double inv_temperature, at::ArrayRef<double> uniforms) {
@@ -547,6 +546,7 @@ torch::Tensor sample_rows(const torch::Tensor& logits, double inv_temperature, a
   return out;
 }
 
+// Which variant of the fused operators runs: "avx512", "avx2" or "generic" (tests run each).
 std::string fused_ops_isa() {
   switch (current_isa()) {
     case Isa::avx512: return "avx512";
