@@ -40,8 +40,7 @@ def move_to_huge_pages(modules: Iterable[torch.nn.Module]) -> int:
     flat = torch.frombuffer(memory, dtype=torch.uint8, count=total)
     moved = {id(tensor): _copy_into(flat, offset, tensor) for tensor, offset in zip(unique, offsets)}
     for module, kind, name, tensor in slots:
-        copy = moved[id(tensor)]
-        getattr(module, kind)[name] = torch.nn.Parameter(copy, requires_grad=False) if kind == "_parameters" else copy
+        getattr(module, kind)[name] = moved[id(tensor)]
     del slots, unique
     _return_freed_memory()
     return total
@@ -67,7 +66,7 @@ def _tensor_slots(modules: Iterable[torch.nn.Module]):
             for kind in ("_parameters", "_buffers"):
                 for name, tensor in getattr(module, kind).items():
                     if tensor is not None and tensor.device.type == "cpu" and _dense(tensor):
-                        yield module, kind, name, tensor.detach()
+                        yield module, kind, name, tensor  # the object itself: a tied weight is one, in two modules
 
 
 def _dense(tensor: torch.Tensor) -> bool:
@@ -86,8 +85,9 @@ def _offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
 
 
 def _copy_into(flat: torch.Tensor, offset: int, tensor: torch.Tensor) -> torch.Tensor:
-    """TENSOR's values at OFFSET bytes into FLAT, with TENSOR's dtype, shape and strides."""
+    """TENSOR's values at OFFSET bytes into FLAT, with TENSOR's dtype, shape and strides (a frozen Parameter where
+    TENSOR is a Parameter)."""
     size = tensor.numel() * tensor.element_size()
     copy = flat[offset:offset + size].view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
-    copy.copy_(tensor)
-    return copy
+    copy.copy_(tensor.detach())
+    return torch.nn.Parameter(copy, requires_grad=False) if isinstance(tensor, torch.nn.Parameter) else copy

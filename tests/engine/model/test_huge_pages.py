@@ -15,6 +15,8 @@ class Holder(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
         self.linear = linear
+        self.tied = torch.nn.Linear(80, 48, bias=False)
+        self.tied.weight = linear.weight  # one Parameter in two modules, as tied embeddings are
         self.register_buffer("codes", torch.arange(300, dtype=torch.int64).to(torch.uint8).reshape(3, 100))
         self.register_buffer("absent", None)
 
@@ -30,16 +32,18 @@ def _modules():
 def test_moved_tensors_keep_values_shapes_strides_and_sharing():
     linear, holder = _modules()
     before = {name: (t.clone(), t.shape, t.stride()) for name, t in holder.state_dict().items()}
+    unique = {t.data_ptr(): t for t in holder.state_dict().values()}.values()
     x = torch.randn(5, 48)
     expected = linear(x)
     moved = move_to_huge_pages([holder, linear])  # the Linear reached twice: moved once
-    assert moved >= sum(t.numel() * t.element_size() for t, _, _ in before.values())
+    assert moved >= sum(t.numel() * t.element_size() for t in unique)
     for name, tensor in holder.state_dict().items():
         values, shape, stride = before[name]
         assert torch.equal(tensor, values) and tensor.shape == shape and tensor.stride() == stride, name
     assert isinstance(linear.weight, torch.nn.Parameter) and not linear.weight.requires_grad
     assert torch.equal(linear(x), expected)
     assert holder.linear.weight is linear.weight and holder.absent is None
+    assert holder.tied.weight is linear.weight  # moved once, still shared
 
 
 @pytest.mark.skipif(not THP_SETTING.exists() or "[never]" in THP_SETTING.read_text(),
