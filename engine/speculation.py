@@ -5,9 +5,10 @@ The scheduler decides which session a turn resumes and when a session is evicted
 (scheduler/sessions.py); the drafter's state for each cached session is kept here,
 by the session's key, because drafter states may hold tensors (hidden states, say)
 that the scheduler never sees. Their memory is counted in bytes (a state's
-`num_bytes`, and the drafter's `state_bytes()` for its live requests); the engine
-bounds the cached sessions' host memory, these states included, by evicting whole
-sessions (engine/engine.py).
+`num_bytes`, read once when it is cached: a cached state does not change until a
+turn takes it back; and the drafter's `state_bytes()` for its live requests); the
+engine bounds the cached sessions' host memory, these states included, by evicting
+whole sessions (engine/engine.py).
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class Speculation:
     def __init__(self, drafter: Drafter) -> None:
         self.drafter = drafter
         self.session_states: OrderedDict[str, object] = OrderedDict()  # session key -> state, least recently used first
+        self._session_bytes: dict[str, int] = {}  # session key -> its state's num_bytes when it was cached
+        self._session_bytes_total = 0
 
     @property
     def captures(self) -> CaptureSpec:
@@ -34,7 +37,7 @@ class Speculation:
         """A new request; SESSION_KEY names the session whose state it resumes (one turn at a time takes it).
 
         Returns whether a state was resumed."""
-        state = self.session_states.pop(session_key, None) if session_key else None
+        state = self._take_session_state(session_key) if session_key else None
         self.drafter.begin(req, state)
         return state is not None
 
@@ -66,12 +69,18 @@ class Speculation:
         """The request is gone; its drafter state is kept for the session's next turn, if it updated one."""
         state = self.drafter.finish(req)
         if session_key is not None and state is not None:
+            self._take_session_state(session_key)
             self.session_states[session_key] = state
-            self.session_states.move_to_end(session_key)
+            self._session_bytes[session_key] = state.num_bytes
+            self._session_bytes_total += state.num_bytes
 
     def forget_sessions(self, keys: list[str]) -> None:
         for key in keys:
-            self.session_states.pop(key, None)
+            self._take_session_state(key)
+
+    def _take_session_state(self, key: str) -> object | None:
+        self._session_bytes_total -= self._session_bytes.pop(key, 0)
+        return self.session_states.pop(key, None)
 
     @property
     def needs_every_position(self) -> bool:
@@ -83,4 +92,4 @@ class Speculation:
         return self.drafter.state_bytes() + self.session_state_bytes()
 
     def session_state_bytes(self) -> int:
-        return sum(state.num_bytes for state in self.session_states.values())
+        return self._session_bytes_total
