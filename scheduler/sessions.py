@@ -79,6 +79,7 @@ class SessionStore:
         self._num_implicit = 0
         self.stats = SessionStats()
         self._evicted_keys: list[str] = []  # sessions evicted since the last take_evicted_keys
+        self._host_bytes = 0  # the sessions' host_bytes, summed as each is kept or evicted (read every step)
 
     @property
     def num_sessions(self) -> int:
@@ -86,7 +87,7 @@ class SessionStore:
 
     def host_bytes(self) -> int:
         """Host memory of the cached sessions' histories and block lists (drafter states are the engine's)."""
-        return sum(session.host_bytes for session in self.sessions.values())
+        return self._host_bytes
 
     def take_stats(self) -> SessionStats:
         stats, self.stats = self.stats, SessionStats()
@@ -166,6 +167,7 @@ class SessionStore:
         if session is None:
             session = self.sessions[key] = Session(key, [], [], [], 0, self.clock())
         else:
+            self._host_bytes -= session.host_bytes
             self._drop_blocks(session)
         session.token_ids = list(req.all_token_ids)
         session.num_prompt_tokens = req.num_prompt_tokens
@@ -175,6 +177,7 @@ class SessionStore:
         )
         for block_hash in session.block_hashes:
             self._keys_by_hash.setdefault(block_hash, set()).add(key)
+        self._host_bytes += session.host_bytes
         self._touch(session)
         while len(self.sessions) > self.config.max_sessions:
             self.evict_least_recent()
@@ -199,6 +202,7 @@ class SessionStore:
 
     def evict_least_recent(self) -> None:
         _, session = self.sessions.popitem(last=False)
+        self._host_bytes -= session.host_bytes
         self._drop_blocks(session)
         self.stats.evictions += 1
         self._evicted_keys.append(session.key)

@@ -207,3 +207,25 @@ def test_later_turns_count_as_hits_where_their_conversation_is_cached_and_misses
     assert stats.conversation_hits == {"explicit": 1, "implicit": 1}
     assert stats.conversation_misses == {"explicit": 1, "implicit": 1}
     assert (stats.hits, stats.misses) == (3, 2)  # the cache's own lookups count every request
+
+
+def test_the_host_bytes_total_follows_sessions_kept_replaced_and_evicted():
+    store, blocks, clock = make_store(ttl_s=10, max_sessions=2)
+
+    def held():
+        return sum(session.host_bytes for session in store.sessions.values())
+
+    finish_turn(store, blocks, "a1", TURN1, ANSWER1, session_id="a")
+    assert store.host_bytes() == held() > 0
+    finish_turn(store, blocks, "a2", TURN1 + ANSWER1 + [300], [400, 401], session_id="a")  # replaces a's history
+    clock.now = 5
+    finish_turn(store, blocks, "b1", [7] * 9, [1], session_id="b")
+    assert store.host_bytes() == held()
+    clock.now = 6
+    finish_turn(store, blocks, "c1", [8] * 9, [1], session_id="c")  # past the cap: a goes
+    assert list(store.sessions) == ["named:b", "named:c"] and store.host_bytes() == held()
+    clock.now = 15.5
+    store.expire()  # b's TTL ran out
+    assert list(store.sessions) == ["named:c"] and store.host_bytes() == held()
+    store.reclaim(blocks.num_blocks)
+    assert not store.sessions and store.host_bytes() == 0
