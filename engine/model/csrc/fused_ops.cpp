@@ -17,7 +17,7 @@
 //
 // Batch invariance (engine/model/attention_layout.py): every row (a token, or a head of a token) is computed alone by
 // the same instruction sequence whatever the rows beside it. Each kernel is written once over 16-float vectors (GCC's
-// vector extensions) and compiled for AVX-512F, AVX2 and baseline x86-64 by target attributes: the same float
+// vector extensions) in fused_ops_body.h, included below for AVX-512F, AVX2 and baseline x86-64: the same float
 // operations, in the same order, in every variant (no fused multiply-adds: -ffp-contract=off; sums over a row kept in
 // 16 lanes added by a fixed tree), so all three give the same bits. exp is a polynomial of our own (as in
 // row_attention.cpp), so SiLU and GELU differ from torch's in the last bits; the rotary embedding and the residual add
@@ -33,138 +33,13 @@
 
 #include "row_attention.h"
 
-
 namespace {
 
 constexpr int W = 16;  // floats per vector
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
 
 #define INLINE static inline __attribute__((always_inline))
-#define AVX512 __attribute__((target("avx512f")))
-#define AVX2 __attribute__((target("avx2")))
 
 enum class Isa { generic = 0, avx2 = 1, avx512 = 2 };
-
-// ---- vector helpers: the same float operations in every variant -----------------------------------------------------
-
-INLINE vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-INLINE void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-
-INLINE vf splat(float x) { return vf{} + x; }
-
-// The first N < 16 floats at P, zeros after them.
-INLINE vf load_part(const float* p, int64_t n) {
-  float buffer[W] = {};
-  std::memcpy(buffer, p, n * sizeof(float));
-  return load(buffer);
-}
-
-INLINE void store_part(float* p, vf v, int64_t n) {
-  float buffer[W];
-  store(buffer, v);
-  std::memcpy(p, buffer, n * sizeof(float));
-}
-
-// The sum of a vector's lanes by a fixed tree: lane l + lane l + 8, then + 4, + 2, + 1.
-INLINE float lane_sum(vf v) {
-  float s[W];
-  store(s, v);
-  for (int width = W / 2; width > 0; width /= 2) {
-    for (int l = 0; l < width; ++l) s[l] = s[l] + s[l + width];
-  }
-  return s[0];
-}
-
-// 1 / sqrt(mean(x^2) + eps) over N floats: the squares summed in 16 lanes (float i in lane i % 16), in order.
-INLINE float inverse_rms(const float* x, int64_t n, float eps) {
-  vf acc = {};
-  int64_t i = 0;
-  for (; i + W <= n; i += W) {
-    const vf v = load(x + i);
-    acc = acc + v * v;
-  }
-  if (i < n) {
-    const vf v = load_part(x + i, n - i);
-    acc = acc + v * v;
-  }
-  return 1.0f / std::sqrt(lane_sum(acc) / static_cast<float>(n) + eps);
-}
-
-// out = (x * inverse) * weight, as torch's rms_norm scales. OUT may be X.
-INLINE void scale_row(const float* x, float inverse, const float* weight, float* out, int64_t n) {
-  const vf s = splat(inverse);
-  int64_t i = 0;
-  for (; i + W <= n; i += W) store(out + i, (load(x + i) * s) * load(weight + i));
-  if (i < n) store_part(out + i, (load_part(x + i, n - i) * s) * load_part(weight + i, n - i), n - i);
-}
-
-INLINE void norm_row(const float* x, const float* weight, float eps, float* out, int64_t n) {
-  scale_row(x, inverse_rms(x, n, eps), weight, out, n);
-}
-
-// exp(x), x clamped to [-87, 88]: x = n ln2 + r, a degree-6 polynomial in r, times 2^n built in the exponent bits.
-INLINE vf exp_clamped(vf x) {
-  x = x < splat(-87.0f) ? splat(-87.0f) : x;
-  x = x > splat(88.0f) ? splat(88.0f) : x;
-  const vf n = (x * splat(1.44269504088896341f) + splat(12582912.0f)) - splat(12582912.0f);  // round to nearest
-  vf r = x - n * splat(0.693359375f);
-  r = r - n * splat(-2.12194440e-4f);
-  vf p = splat(1.0f / 720);
-  p = p * r + splat(1.0f / 120);
-  p = p * r + splat(1.0f / 24);
-  p = p * r + splat(1.0f / 6);
-  p = p * r + splat(0.5f);
-  p = p * r + splat(1.0f);
-  p = p * r + splat(1.0f);
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-// act(g) * u: SiLU g / (1 + exp(-g)); GELU-tanh 0.5 g (1 + tanh(y)) = g / (1 + exp(-2y)),
-// y = sqrt(2/pi) (g + 0.044715 g^3).
-template <bool GELU>
-INLINE vf gated(vf g, vf u) {
-  vf z;
-  if constexpr (GELU) {
-    z = splat(-1.5957691216057308f) * (g + splat(0.044715f) * (g * g * g));
-  } else {
-    z = -g;
-  }
-  return (g / (splat(1.0f) + exp_clamped(z))) * u;
-}
-
-// Rotary embedding of one head in place (X may be OUT): out = x cos + rotate_half(x) sin, as transformers computes
-// it: the first half x1 cos - x2 sin, the second x2 cos + x1 sin (a sum with a negated product is the difference).
-INLINE void rotate_head(const float* x, const float* cos, const float* sin, float* out, int64_t d) {
-  const int64_t half = d / 2;
-  if (half % W == 0) {
-    for (int64_t i = 0; i < half; i += W) {
-      const vf a = load(x + i), b = load(x + half + i);
-      const vf lo = a * load(cos + i) - b * load(sin + i);
-      const vf hi = b * load(cos + half + i) + a * load(sin + half + i);
-      store(out + i, lo);
-      store(out + half + i, hi);
-    }
-    return;
-  }
-  for (int64_t i = 0; i < half; ++i) {
-    const float a = x[i], b = x[half + i];
-    const float lo = a * cos[i] - b * sin[i];
-    const float hi = b * cos[half + i] + a * sin[half + i];
-    out[i] = lo;
-    out[half + i] = hi;
-  }
-}
-
-// ---- the kernels' bodies, compiled once per instruction set ---------------------------------------------------------
 
 struct RopeArgs {
   const float* qkv;  // [T, (H + 2K) * d]
@@ -181,158 +56,34 @@ struct RopeArgs {
   const int64_t* slots;  // [T]
 };
 
-// Head J (queries, then keys, then values) of token T.
-INLINE void rope_one(const RopeArgs& a, int64_t t, int64_t j) {
-  const int64_t d = a.d;
-  const float* src = a.qkv + (t * (a.heads + 2 * a.kv_heads) + j) * d;
-  const bool is_query = j < a.heads, is_key = !is_query && j < a.heads + a.kv_heads;
-  const int64_t kv_head = is_query ? 0 : (j - a.heads) % a.kv_heads;
-  float* dst = is_query ? a.query + (t * a.heads + j) * d
-                        : (is_key ? a.keys : a.values) + a.slots[t] * a.slot_stride + kv_head * a.head_stride;
-  if (!is_query && !is_key) {
-    std::memcpy(dst, src, d * sizeof(float));
-    return;
-  }
-  const float* weight = is_query ? a.q_weight : a.k_weight;
-  if (weight != nullptr) {
-    norm_row(src, weight, a.eps, dst, d);
-    src = dst;
-  }
-  rotate_head(src, a.cos + t * d, a.sin + t * d, dst, d);
-}
+// ---- the kernels (fused_ops_body.h), compiled once per instruction set ----------------------------------------------
 
-INLINE void rope_body(const RopeArgs& a, int64_t begin, int64_t end) {
-  const int64_t per_token = a.heads + 2 * a.kv_heads;
-  for (int64_t item = begin; item < end; ++item) rope_one(a, item / per_token, item % per_token);
-}
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace fused_avx512 {
+#include "fused_ops_body.h"
+}  // namespace fused_avx512
+#pragma GCC pop_options
 
-INLINE void norm_body(const float* x, int64_t x_stride, const float* weight, float eps, float* out, int64_t n,
-                      int64_t begin, int64_t end) {
-  for (int64_t r = begin; r < end; ++r) norm_row(x + r * x_stride, weight, eps, out + r * n, n);
-}
+#pragma GCC push_options
+#pragma GCC target("avx2")
+namespace fused_avx2 {
+#define FUSED_OPS_HALVES
+#include "fused_ops_body.h"
+#undef FUSED_OPS_HALVES
+}  // namespace fused_avx2
+#pragma GCC pop_options
 
-// hidden[r] += delta[r] (normed by DELTA_WEIGHT first where given); out[r] = rms_norm(hidden[r]).
-INLINE void add_norm_body(float* hidden, const float* delta, int64_t delta_stride, const float* weight,
-                          const float* delta_weight, float eps, float delta_eps, float* out, int64_t n, int64_t begin,
-                          int64_t end) {
-  for (int64_t r = begin; r < end; ++r) {
-    float* h = hidden + r * n;
-    const float* x = delta + r * delta_stride;
-    const float inverse = delta_weight != nullptr ? inverse_rms(x, n, delta_eps) : 0.0f;
-    int64_t i = 0;
-    for (; i + W <= n; i += W) {
-      const vf add = delta_weight != nullptr ? (load(x + i) * splat(inverse)) * load(delta_weight + i) : load(x + i);
-      store(h + i, load(h + i) + add);
-    }
-    for (; i < n; ++i) h[i] = h[i] + (delta_weight != nullptr ? (x[i] * inverse) * delta_weight[i] : x[i]);
-    norm_row(h, weight, eps, out + r * n, n);
-  }
-}
-
-template <bool GELU>
-INLINE void gated_body(const float* gate_up, int64_t stride, float* out, int64_t n, int64_t begin, int64_t end) {
-  for (int64_t r = begin; r < end; ++r) {
-    const float* g = gate_up + r * stride;
-    const float* u = g + n;
-    float* o = out + r * n;
-    int64_t i = 0;
-    for (; i + W <= n; i += W) store(o + i, gated<GELU>(load(g + i), load(u + i)));
-    if (i < n) store_part(o + i, gated<GELU>(load_part(g + i, n - i), load_part(u + i, n - i)), n - i);
-  }
-}
-
-// One token of a row X [n] drawn at uniform U in (0, 1] from softmax(x * inv_t): weights e = exp((x - max) * inv_t)
-// (0 for a -inf logit) into E, each chunk of 256 summed in 16 lanes and then by the fixed tree into SUMS; the first
-// chunk whose running total (double, chunks in order) reaches u * total, then the first token in it whose running
-// total (double, token by token) reaches it. A token without weight is never the first to reach it; where rounding
-// leaves the chunk's tokens a hair short of its sum, the chunk's last token with weight is taken (it has some: its
-// sum reached the target).
-constexpr int64_t SAMPLE_CHUNK = 16;  // vectors of weights per summed chunk: 256 tokens
-
-INLINE int64_t sample_body(const float* x, int64_t n, float inv_t, double u, float* e, float* sums) {
-  const vf minus_inf = splat(-INFINITY);
-  const int64_t whole = n / W, blocks = (n + W - 1) / W;
-  if (blocks > whole) {  // the last block's tokens in E, -inf past the row's end
-    store(e + whole * W, minus_inf);
-    std::memcpy(e + whole * W, x + whole * W, (n - whole * W) * sizeof(float));
-  }
-  vf high = minus_inf;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const vf v = load(b < whole ? x + b * W : e + b * W);
-    high = v > high ? v : high;
-  }
-  float top = -INFINITY;
-  for (int l = 0; l < W; ++l) top = std::max(top, high[l]);
-  TORCH_CHECK(top > -INFINITY, "sample_rows: a row with every token masked");
-  double total = 0.0;
-  for (int64_t c = 0; c * SAMPLE_CHUNK < blocks; ++c) {  // each chunk's weights summed in 16 lanes, then one tree
-    vf chunk = splat(0.0f);
-    for (int64_t b = c * SAMPLE_CHUNK; b < std::min(blocks, (c + 1) * SAMPLE_CHUNK); ++b) {
-      const vf v = load(b < whole ? x + b * W : e + b * W);
-      const vf weights = v == minus_inf ? splat(0.0f) : exp_clamped((v - splat(top)) * splat(inv_t));
-      store(e + b * W, weights);
-      chunk = chunk + weights;
-    }
-    sums[c] = lane_sum(chunk);
-    total += sums[c];
-  }
-  const double target = u * total;
-  double before = 0.0;
-  int64_t c = 0;
-  while ((c + 1) * SAMPLE_CHUNK < blocks && before + sums[c] < target) before += sums[c++];
-  int64_t last = -1;
-  for (int64_t j = c * SAMPLE_CHUNK * W; j < std::min(n, (c + 1) * SAMPLE_CHUNK * W); ++j) {
-    if (e[j] == 0.0f) continue;
-    last = j;
-    before += e[j];
-    if (before >= target) return j;
-  }
-  return last;
-}
-
-#define SAMPLE_PARAMS \
-  (const float* x, int64_t stride, int64_t n, float inv_t, const double* u, float* e, float* sums, int64_t* out, \
-   int64_t begin, int64_t end)
-#define SAMPLE_LOOP \
-  for (int64_t r = begin; r < end; ++r)                                                                        \
-    out[r] = sample_body(x + r * stride, n, inv_t, u[r], e + r * ((n + W - 1) / W * W), sums + r * ((n + W - 1) / W))
+namespace fused_generic {
+#include "fused_ops_body.h"
+}  // namespace fused_generic
 
 #define DISPATCH(isa, name, ...)                                        \
   switch (isa) {                                                        \
-    case Isa::avx512: name##_avx512(__VA_ARGS__); break;                \
-    case Isa::avx2: name##_avx2(__VA_ARGS__); break;                    \
-    default: name##_generic(__VA_ARGS__); break;                        \
+    case Isa::avx512: fused_avx512::name##_kernel(__VA_ARGS__); break;  \
+    case Isa::avx2: fused_avx2::name##_kernel(__VA_ARGS__); break;      \
+    default: fused_generic::name##_kernel(__VA_ARGS__); break;          \
   }
-
-AVX512 void rope_avx512(const RopeArgs& a, int64_t begin, int64_t end) { rope_body(a, begin, end); }
-AVX2 void rope_avx2(const RopeArgs& a, int64_t begin, int64_t end) { rope_body(a, begin, end); }
-void rope_generic(const RopeArgs& a, int64_t begin, int64_t end) { rope_body(a, begin, end); }
-
-#define NORM_PARAMS \
-  (const float* x, int64_t x_stride, const float* weight, float eps, float* out, int64_t n, int64_t begin, int64_t end)
-AVX512 void norm_avx512 NORM_PARAMS { norm_body(x, x_stride, weight, eps, out, n, begin, end); }
-AVX2 void norm_avx2 NORM_PARAMS { norm_body(x, x_stride, weight, eps, out, n, begin, end); }
-void norm_generic NORM_PARAMS { norm_body(x, x_stride, weight, eps, out, n, begin, end); }
-
-#define ADD_NORM_PARAMS                                                                                           \
-  (float* hidden, const float* delta, int64_t delta_stride, const float* weight, const float* delta_weight,       \
-   float eps, float delta_eps, float* out, int64_t n, int64_t begin, int64_t end)
-#define ADD_NORM_ARGS hidden, delta, delta_stride, weight, delta_weight, eps, delta_eps, out, n, begin, end
-AVX512 void add_norm_avx512 ADD_NORM_PARAMS { add_norm_body(ADD_NORM_ARGS); }
-AVX2 void add_norm_avx2 ADD_NORM_PARAMS { add_norm_body(ADD_NORM_ARGS); }
-void add_norm_generic ADD_NORM_PARAMS { add_norm_body(ADD_NORM_ARGS); }
-
-#define GATED_PARAMS \
-  (bool gelu, const float* gate_up, int64_t stride, float* out, int64_t n, int64_t begin, int64_t end)
-#define GATED_CALL \
-  gelu ? gated_body<true>(gate_up, stride, out, n, begin, end) : gated_body<false>(gate_up, stride, out, n, begin, end)
-AVX512 void gated_avx512 GATED_PARAMS { GATED_CALL; }
-AVX2 void gated_avx2 GATED_PARAMS { GATED_CALL; }
-void gated_generic GATED_PARAMS { GATED_CALL; }
-
-AVX512 void sample_avx512 SAMPLE_PARAMS { SAMPLE_LOOP; }
-AVX2 void sample_avx2 SAMPLE_PARAMS { SAMPLE_LOOP; }
-void sample_generic SAMPLE_PARAMS { SAMPLE_LOOP; }
 
 // ---- which variant runs --------------------------------------------------------------------------------------------
 
