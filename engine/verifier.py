@@ -52,13 +52,13 @@ def verify_greedy(argmax: list[int], draft_token_ids: list[int], draft_parents: 
 
 
 def verify_sampled(
-    probs: Callable[[int], torch.Tensor], draft_token_ids: list[int], draft_parents: list[int],
+    logits: torch.Tensor, draft_token_ids: list[int], draft_parents: list[int], params: SamplingParams,
     uniforms: list[float],
 ) -> Verification:
-    """probs(row) -> [vocab] the target distribution at logits row `row`, asked only of the rows the walk reaches
-    (a tree's other rows are never normalised); uniforms [max depth + 1] in (0, 1], one per depth."""
+    """logits [1 + num drafted, vocab]; at each row the walk reaches, the target's token drawn from `target_probs` at
+    its depth's uniform (a tree's other rows are never sampled); uniforms [max depth + 1] in (0, 1], one per depth."""
     return walk_tree(
-        lambda row, depth: inverse_cdf_samples(probs(row)[None], [uniforms[depth]])[0],
+        lambda row, depth: sample_tokens(logits[row:row + 1], params, [uniforms[depth]])[0],
         draft_token_ids, draft_parents,
     )
 
@@ -191,8 +191,7 @@ class Verifier:
     ) -> Verification:
         if params.greedy:
             return verify_greedy(greedy_tokens(logits), draft_token_ids, draft_parents)
-        return walk_tree(lambda row, depth: sample_tokens(logits[row:row + 1], params, [uniforms[depth]])[0],
-                         draft_token_ids, draft_parents)
+        return verify_sampled(logits, draft_token_ids, draft_parents, params, uniforms)
 
     @staticmethod
     def _stream(streams: dict[str, UniformStream], request_id: str, seed: int | None) -> UniformStream:

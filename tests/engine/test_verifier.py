@@ -8,8 +8,10 @@ from scipy.stats import chisquare
 
 from engine.sampler import UniformStream, inverse_cdf_samples
 from engine.verifier import verify_greedy, verify_sampled
+from engine.wire import SamplingParams
 
 VOCAB = 6
+T1 = SamplingParams(temperature=1.0)  # sampling from the logits' softmax as it is
 
 
 # Trees as (draft tokens, parents); argmax per row (root first); expected tokens and accepted nodes.
@@ -40,7 +42,8 @@ def model_distribution(prefix: tuple) -> torch.Tensor:
 def sample_two_tokens(tokens, parents, stream):
     """Verify a draft tree against the made-up target, then sample plainly up to two output tokens."""
     rows = [model_distribution(())] + [model_distribution(tuple(path(parents, tokens, j))) for j in range(len(tokens))]
-    result = verify_sampled(lambda row: rows[row], tokens, parents, stream.next(len(tokens) + 1))
+    logits = torch.stack(rows).log()  # softmax at T = 1 gives the rows back
+    result = verify_sampled(logits, tokens, parents, T1, stream.next(len(tokens) + 1))
     stream.advance(len(result.token_ids))
     out = result.token_ids
     while len(out) < 2:  # the next steps sample plainly, each from its position's own uniform
@@ -84,7 +87,7 @@ def test_a_depths_token_does_not_depend_on_what_was_drafted():
     uniforms = [0.9, 0.15, 0.5]
     own = inverse_cdf_samples(probs[:1], uniforms[:1])[0]
     for tokens, parents in (([], []), ([own], [-1]), ([(own + 1) % VOCAB, own], [-1, -1])):
-        assert verify_sampled(lambda row: probs[row], tokens, parents, uniforms).token_ids[0] == own
+        assert verify_sampled(probs.log(), tokens, parents, T1, uniforms).token_ids[0] == own
 
 
 def test_the_residual_rule_emits_every_token_with_the_target_probability():
