@@ -65,15 +65,22 @@ def kv_shape(model_config) -> tuple[int, int, int]:
 
 
 class PagedKVPool:
-    """Keys and values of every layer: `[num_layers, num_slots, kv_heads, head_dim]`, slot = block * size + offset."""
+    """Keys and values of every layer: `[num_layers, num_slots, kv_heads, head_dim]`, slot = block * size + offset.
+
+    On the CPU that shape is a view of memory laid out head by head, `[num_layers, kv_heads, num_slots, head_dim]`: a
+    KV head's keys at consecutive slots are then consecutive in memory, and the row kernel, which reads one KV head's
+    keys at a time, streams them; slot by slot it read a third of every 768 bytes (SmolLM2's 3 heads) and attention
+    over keys that had left the caches took 1.6x as long at 1,024 positions and 2x at 2,048 (the keys of all 30
+    layers in turn, a weight-sized read between layers; bench/README.md). On CUDA the slots stay outermost, the paged
+    layout flash-attn reads."""
 
     def __init__(
         self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        self.keys = _zeros(shape, dtype, torch.device(device))
-        self.values = _zeros(shape, dtype, torch.device(device))
+        device = torch.device(device)
+        self.keys = _pool_tensor(num_layers, num_slots, num_kv_heads, head_dim, dtype, device)
+        self.values = _pool_tensor(num_layers, num_slots, num_kv_heads, head_dim, dtype, device)
         # each layer's [num_slots, kv_heads, head_dim], views made once: a layer indexes no tensor to reach its own
         self.layer_keys, self.layer_values = self.keys.unbind(0), self.values.unbind(0)
 
@@ -91,6 +98,15 @@ class PagedKVPool:
         for source, target in moves:
             self.keys[:, target] = self.keys[:, source]
             self.values[:, target] = self.values[:, source]
+
+
+def _pool_tensor(
+    num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+) -> torch.Tensor:
+    """Zeros [num_layers, num_slots, kv_heads, head_dim]: on the CPU a view of head-major memory (PagedKVPool)."""
+    if device.type != "cpu":
+        return _zeros((num_layers, num_slots, num_kv_heads, head_dim), dtype, device)
+    return _zeros((num_layers, num_kv_heads, num_slots, head_dim), dtype, device).transpose(1, 2)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -155,24 +171,44 @@ class PackedBatch:
         return torch.cat([self.captured_hidden[layer] for layer in self.hidden_layers], dim=-1)
 
 
+def _head_major(layer_pool: torch.Tensor) -> bool:
+    """Whether a layer's [num_slots, kv_heads, head_dim] pool lies head by head in memory (the CPU's: PagedKVPool)."""
+    return layer_pool.shape[1] > 1 and layer_pool.stride(1) > layer_pool.stride(0)
+
+
 def _gather_blocks(
     layer_pool: torch.Tensor, block_table: torch.Tensor, block_size: int, max_len: int,
     into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[num_slots, kv_heads, head_dim] -> [R, L, kv_heads, head_dim] for block_table [R, blocks]: whole blocks copied
-    (INTO, when given, a buffer of the right size reused from layer to layer: fresh pages cost more than the copy)."""
+    (INTO, when given, a buffer of the right size reused from layer to layer: fresh pages cost more than the copy),
+    laid out as the pool is (`_gathered_slots` reads INTO by slot either way)."""
     num_reqs, num_blocks = block_table.shape
-    by_block = layer_pool.view(-1, block_size * layer_pool.shape[1] * layer_pool.shape[2])
+    num_slots, kv_heads, head_dim = layer_pool.shape
+    if _head_major(layer_pool):
+        by_block = layer_pool.transpose(0, 1).view(kv_heads, -1, block_size * head_dim)
+        out = into.view(kv_heads, -1, block_size * head_dim) if into is not None else None
+        gathered = torch.index_select(by_block, 1, block_table.flatten(), out=out)
+        return gathered.view(kv_heads, num_reqs, num_blocks * block_size, head_dim).permute(1, 2, 0, 3)[:, :max_len]
+    by_block = layer_pool.view(-1, block_size * kv_heads * head_dim)
     gathered = (torch.index_select(by_block, 0, block_table.flatten(), out=into) if into is not None
                 else by_block.index_select(0, block_table.flatten()))
-    return gathered.view(num_reqs, num_blocks * block_size, *layer_pool.shape[1:])[:, :max_len]
+    return gathered.view(num_reqs, num_blocks * block_size, kv_heads, head_dim)[:, :max_len]
+
+
+def _gathered_slots(into: torch.Tensor, layer_pool: torch.Tensor) -> torch.Tensor:
+    """INTO, a buffer `_gather_blocks` filled from LAYER_POOL, as [gathered slots, kv_heads, head_dim]."""
+    kv_heads, head_dim = layer_pool.shape[1:]
+    if _head_major(layer_pool):
+        return into.view(kv_heads, -1, head_dim).transpose(0, 1)
+    return into.view(-1, kv_heads, head_dim)
 
 
 def _gather_group(layer_pool: torch.Tensor, group: AttentionGroup, into: torch.Tensor) -> torch.Tensor:
     """The group's keys (or values) gathered INTO its scratch buffer, tree paths' node keys put in their places."""
     gathered = _gather_blocks(layer_pool, group.block_table, group.block_size, group.max_len, into)
     if group.tail_slots is not None:
-        into.view(-1, *layer_pool.shape[1:]).index_copy_(0, group.tail_keys, layer_pool[group.tail_slots])
+        _gathered_slots(into, layer_pool).index_copy_(0, group.tail_keys, layer_pool[group.tail_slots])
     return gathered
 
 

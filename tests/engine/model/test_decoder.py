@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 import engine.model.decoder as decoder
 import engine.model.packed_runner as packed_runner
-from engine.model import block_linear
+from engine.model import block_linear, paged_attention
 from engine.model.blocks import BlockWeights
 from engine.model.cpu_kernels import fused_ops_available
 from engine.model.decoder import supports
@@ -116,6 +116,27 @@ def test_a_whole_layer_in_one_call_gives_its_operators_bits(request, model, weig
         assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert len(whole_layer_calls) == len(steps) * len(whole.decoder.layers)
     assert all(spans is not None for spans in whole_layer_calls)
+
+
+@pytest.mark.parametrize("path", ["whole-layer", "operators", "torch"])
+def test_the_cpu_pools_head_major_layout_changes_no_bit(tiny_model_dir, path, monkeypatch):
+    """The CPU pool lies head by head (engine/model/paged_attention.py PagedKVPool); a runner over a pool laid out
+    slot by slot, as on CUDA, gives every logit row bit for bit, on the whole-layer kernel, the fused operators one
+    by one and the torch path, through prefill, decoding beside a prefill chunk, and a tree."""
+    def slot_major(num_layers, num_slots, num_kv_heads, head_dim, dtype, device):
+        return paged_attention._zeros((num_layers, num_slots, num_kv_heads, head_dim), dtype, device)
+
+    head_major = runner_for(tiny_model_dir, "gguf", True, monkeypatch, fused=path != "torch", num_slots=1024)
+    with monkeypatch.context() as patch:
+        patch.setattr(paged_attention, "_pool_tensor", slot_major)
+        by_slot = runner_for(tiny_model_dir, "gguf", True, monkeypatch, fused=path != "torch", num_slots=1024)
+    assert by_slot.pool.keys.is_contiguous() and head_major.pool.keys.transpose(1, 2).is_contiguous()
+    if path == "operators":
+        for layer in (*head_major.decoder.layers, *by_slot.decoder.layers):
+            layer.whole_layer_args = None
+    for items in steps_of_both_kinds():
+        expected, got = (runner.execute(ForwardBatch(items)).logits for runner in (by_slot, head_major))
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
 
 
 @pytest.mark.parametrize("fused", [False, True])

@@ -1,5 +1,7 @@
 """The CPU attention path of machines without the row kernel (AVX2): batched matmuls whose rows come out bit for
 bit the same whatever the padding keys after them. The masks a layer with a sliding window attends under."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -70,12 +72,39 @@ def test_tree_paths_keep_the_positions_of_their_nodes():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_cpu_pool_starts_zeroed_aligned_and_takes_writes(dtype):
     """The pool's CPU memory comes zeroed from the OS page by page (engine/model/paged_attention.py's _zeros): it must
-    read as zeros, be aligned like torch's own, and hold what is written to it."""
+    read as zeros, be aligned like torch's own, lie head by head, and hold what is written to it."""
     pool = paged_attention.PagedKVPool(3, 4096, 2, 64, dtype, torch.device("cpu"))
     for tensor in (pool.keys, pool.values):
-        assert tensor.dtype == dtype and tensor.shape == (3, 4096, 2, 64) and tensor.is_contiguous()
+        assert tensor.dtype == dtype and tensor.shape == (3, 4096, 2, 64) and tensor.transpose(1, 2).is_contiguous()
         assert tensor.data_ptr() % 64 == 0 and not tensor.any()
     key, value = torch.randn(2, 2, 64).to(dtype), torch.randn(2, 2, 64).to(dtype)
     pool.write(1, key, value, torch.tensor([7, 4000]))
     assert torch.equal(pool.keys[1, 7], key[0]) and torch.equal(pool.values[1, 4000], value[1])
     assert not pool.keys[0].any() and not pool.keys[2].any()
+
+
+@pytest.mark.parametrize("kv_heads", [1, 3])
+def test_blocks_gather_the_same_from_a_head_major_pool_as_from_a_slot_major_one(kv_heads):
+    """The CPU pool lies head by head (PagedKVPool); the gathered path (machines without the row kernel, captures)
+    copies whole blocks either way and must return the same keys by slot, tree nodes' keys put in their places."""
+    torch.manual_seed(3)
+    num_slots, block_size, head_dim = 64, 4, 8
+    pool = paged_attention.PagedKVPool(1, num_slots, kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    assert kv_heads == 1 or paged_attention._head_major(pool.layer_keys[0])
+    pool.layer_keys[0].copy_(torch.randn(num_slots, kv_heads, head_dim))
+    slot_major = pool.layer_keys[0].contiguous()
+    assert not paged_attention._head_major(slot_major)
+    table = torch.tensor([[5, 2, 9], [0, 14, 7]])
+    group = SimpleNamespace(block_table=table, block_size=block_size, max_len=10,
+                            tail_slots=torch.tensor([60, 61]), tail_keys=torch.tensor([8, 12 + 9]))
+
+    def gathered(layer_pool: torch.Tensor) -> torch.Tensor:
+        into = torch.empty(table.numel(), block_size * kv_heads * head_dim)
+        return paged_attention._gather_group(layer_pool, group, into)
+
+    expected = torch.stack([slot_major[torch.cat([torch.arange(b * block_size, (b + 1) * block_size) for b in row])]
+                            for row in table.tolist()])[:, :10]
+    expected[0, 8], expected[1, 9] = slot_major[60], slot_major[61]
+    for layer_pool in (pool.layer_keys[0], slot_major):
+        assert torch.equal(gathered(layer_pool), expected)
+        assert torch.equal(paged_attention._gather_blocks(layer_pool, table, block_size, 10)[0, :8], expected[0, :8])
