@@ -16,8 +16,8 @@ from pathlib import Path
 
 from bench.api import run_api_benchmark
 from bench.concurrency import run_concurrency_benchmark, turn2_conversations
+from bench.cpu_layouts import add_cpu_layouts_flags, run_cpu_layouts
 from bench.data import MissingDataError, data_path, first_per_category, load_questions, missing_data_message
-from bench.kv_layout import add_kv_layout_flags, run_kv_layout
 from bench.llama_server import LlamaServerRunner, start_llama_server
 from bench.long_context import CONTEXTS, context_questions, definition_check, definition_markdown, long_code
 from bench.models import MODES, run_models_benchmark
@@ -339,8 +339,8 @@ BENCHMARKS: dict[str, Benchmark] = {
     "routing-sim": Benchmark("the router in front of many simulated replicas: hit rate and load as replicas change",
                              run_routing_sim, lambda args: [], add_routing_sim_flags, serves_model=False),
     "step-profile": Benchmark("where a step's time goes", run_step_profile, lambda args: ["mt-redundant"]),
-    "kv-layout": Benchmark("forward time against context length for the CPU KV pool's two layouts", run_kv_layout,
-                           lambda args: [], add_kv_layout_flags),
+    "cpu-layouts": Benchmark("forward time of a CPU memory layout (KV pool, weight scales) against the one it replaced",
+                             run_cpu_layouts, lambda args: [], add_cpu_layouts_flags),
     "soak": Benchmark("streaming clients against one server for minutes: memory and errors",
                       lambda args, config, tokenizer, out: run_soak(args, out), lambda args: [], add_soak_flags),
     "api": Benchmark("request-field variants under speculation, with the lossless check", run_api,

@@ -10,7 +10,7 @@ OWN_FLAGS = {  # a flag each benchmark has that the others need not
     "sessions": "--session-modes", "roofline": "--graph-max-tokens",
     "step-profile": "--data-dir", "soak": "--soak-clients", "api": "--variants", "models": "--min-requests",
     "long-context": "--definition-tokens", "replicas": "--replica-kv-gib",
-    "routing-sim": "--warm-sessions", "kv-layout": "--contexts",
+    "routing-sim": "--warm-sessions", "cpu-layouts": "--compare",
 }
 
 

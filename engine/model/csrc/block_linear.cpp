@@ -9,7 +9,8 @@
 //   narrow signed codes (-32..31: Q5_0, Q6_K) are stored the same way and flagged bits 6.
 // Layout per tile of 16 output channels and block of 32 inputs: 8 groups of 4 inputs, each a 64-byte vector of 16
 // channels x 4 codes (4-bit: group j in the low, group j + 4 in the high nibbles of the same 64 bytes); AVX2 reads
-// each vector as two 32-byte halves (channels 0-7, 8-15). Per tile and block: scales [32 / sub][16], mins [16].
+// each vector as two 32-byte halves (channels 0-7, 8-15). Per tile and block: scales [32 / sub][16], mins [16], float32
+// or, where each is exactly a half, float16 (converted back to the same floats as they are read).
 // Activations: per row and block, d = max|x| / 127, q = nearbyint(x * (1 / d)) as signed bytes, and their sum.
 // Per row, channel and block, in order, in float32 without fused multiply-adds (-ffp-contract=off), so a reference
 // reproduces every rounding and both instruction sets give the same bits:
@@ -30,7 +31,7 @@
 #include <cstdint>
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
-#define AVX2 __attribute__((target("avx2")))
+#define AVX2 __attribute__((target("avx2,f16c")))
 
 namespace {
 
@@ -58,11 +59,21 @@ struct Activations {
   int64_t blocks;
 };
 
+// S: how scales and minimums are stored, float or IEEE half (uint16_t) where each is exactly a half, as the scales a
+// GGUF stores as halves are: half the bytes, converted back to the same float in the kernel.
+template <typename S>
 struct Tile {  // one tile's blocks
   const uint8_t* codes;  // [blocks, block_bytes]
-  const float* scales;   // [blocks, 32 / sub, 16]
-  const float* mins;     // [blocks, 16] (unsigned form)
+  const S* scales;   // [blocks, 32 / sub, 16]
+  const S* mins;     // [blocks, 16] (unsigned form)
 };
+
+VNNI inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+VNNI inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+AVX2 inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // One row's activations per block of 32, as the header says: d = max|x| / 127, q = nearbyint(x * (1 / d)) (converted in
 // the default rounding mode, to nearest even, as nearbyint rounds), the codes' sum and its halves' offsets. Eight
@@ -126,14 +137,14 @@ VNNI inline void load_vnni(const uint8_t* w, __m512i* groups) {
 
 
 // R rows (1..ROWS) of one tile: out[r, 0:16] for rows row0 .. row0 + R - 1.
-template <Form F, int R>
-VNNI void tile_rows_vnni(const Tile& w, const Activations& a, int64_t row0, float* out, int64_t ldo) {
+template <Form F, int R, typename S>
+VNNI void tile_rows_vnni(const Tile<S>& w, const Activations& a, int64_t row0, float* out, int64_t ldo) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
     __m512i groups[8];
     load_vnni<F>(w.codes + b * block_bytes(F), groups);
-    const float* scale = w.scales + b * block_scales(F);
+    const S* scale = w.scales + b * block_scales(F);
     for (int r = 0; r < R; ++r) {
       const int64_t row = row0 + r;
       const int32_t* x = reinterpret_cast<const int32_t*>(a.codes + row * a.K + b * BLOCK);
@@ -150,13 +161,13 @@ VNNI void tile_rows_vnni(const Tile& w, const Activations& a, int64_t row0, floa
       }
       __m512 t;
       if constexpr (two_scales(F)) {
-        t = _mm512_mul_ps(_mm512_cvtepi32_ps(first), _mm512_loadu_ps(scale));
-        t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_cvtepi32_ps(second), _mm512_loadu_ps(scale + TILE)));
+        t = _mm512_mul_ps(_mm512_cvtepi32_ps(first), load16(scale));
+        t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_cvtepi32_ps(second), load16(scale + TILE)));
       } else {
-        t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(first, second)), _mm512_loadu_ps(scale));
+        t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(first, second)), load16(scale));
         if constexpr (!is_signed(F)) {
           const __m512 sum = _mm512_set1_ps(a.sums[row * a.blocks + b]);
-          t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_loadu_ps(w.mins + b * TILE), sum));
+          t = _mm512_add_ps(t, _mm512_mul_ps(load16(w.mins + b * TILE), sum));
         }
       }
       acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(t, _mm512_set1_ps(a.scales[row * a.blocks + b])));
@@ -227,15 +238,15 @@ AVX2 inline void add_dot16_avx2(const uint8_t* p, const int32_t* const* x, int s
 }
 
 // R rows (1..ROWS) of one tile.
-template <Form F, int R>
-AVX2 void tile_rows_avx2(const Tile& w, const Activations& a, int64_t row0, float* out, int64_t ldo) {
+template <Form F, int R, typename S>
+AVX2 void tile_rows_avx2(const Tile<S>& w, const Activations& a, int64_t row0, float* out, int64_t ldo) {
   for (int h = 0; h < 2; ++h) {
     __m256 acc[R];
     #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a.blocks; ++b) {
       const uint8_t* p = w.codes + b * block_bytes(F) + h * 32;
-      const float* scale = w.scales + b * block_scales(F) + 8 * h;
+      const S* scale = w.scales + b * block_scales(F) + 8 * h;
       const int32_t* x[R];
       #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) x[r] = reinterpret_cast<const int32_t*>(a.codes + (row0 + r) * a.K + b * BLOCK);
@@ -255,7 +266,7 @@ AVX2 void tile_rows_avx2(const Tile& w, const Activations& a, int64_t row0, floa
         if constexpr (two_scales(F)) {  // t = dot0 * scale0, then t + dot1 * scale1
           #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
-            const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_loadu_ps(scale + TILE * s));
+            const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r]), load8(scale + TILE * s));
             t[r] = s == 0 ? part : _mm256_add_ps(t[r], part);
           }
         }
@@ -264,10 +275,10 @@ AVX2 void tile_rows_avx2(const Tile& w, const Activations& a, int64_t row0, floa
       for (int r = 0; r < R; ++r) {
         const int64_t row = row0 + r;
         if constexpr (!two_scales(F)) {
-          t[r] = _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_loadu_ps(scale));
+          t[r] = _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r]), load8(scale));
           if constexpr (!is_signed(F)) {
             const __m256 sum = _mm256_set1_ps(a.sums[row * a.blocks + b]);
-            t[r] = _mm256_add_ps(t[r], _mm256_mul_ps(_mm256_loadu_ps(w.mins + b * TILE + 8 * h), sum));
+            t[r] = _mm256_add_ps(t[r], _mm256_mul_ps(load8(w.mins + b * TILE + 8 * h), sum));
           }
         }
         acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(t[r], _mm256_set1_ps(a.scales[row * a.blocks + b])));
@@ -280,8 +291,8 @@ AVX2 void tile_rows_avx2(const Tile& w, const Activations& a, int64_t row0, floa
 
 // ---- dispatch ----------------------------------------------------------------------------------------------------
 
-template <Form F, Isa I, int R>
-void tile_rows(const Tile& w, const Activations& a, int64_t row0, float* out, int64_t ldo) {
+template <Form F, Isa I, int R, typename S>
+void tile_rows(const Tile<S>& w, const Activations& a, int64_t row0, float* out, int64_t ldo) {
   if constexpr (I == Isa::vnni) {
     tile_rows_vnni<F, R>(w, a, row0, out, ldo);
   } else {
@@ -290,8 +301,8 @@ void tile_rows(const Tile& w, const Activations& a, int64_t row0, float* out, in
 }
 
 // All M rows of one tile: ROWS at a time, then the rest (each row's arithmetic the same in every group size).
-template <Form F, Isa I>
-void tile(const Tile& w, const Activations& a, int64_t M, float* out, int64_t ldo) {
+template <Form F, Isa I, typename S>
+void tile(const Tile<S>& w, const Activations& a, int64_t M, float* out, int64_t ldo) {
   int64_t row = 0;
   for (; row + ROWS <= M; row += ROWS) tile_rows<F, I, ROWS>(w, a, row, out, ldo);
   switch (M - row) {
@@ -302,27 +313,28 @@ void tile(const Tile& w, const Activations& a, int64_t M, float* out, int64_t ld
   }
 }
 
+template <typename S>
 struct Weights {
   const uint8_t* codes;
-  const float* scales;
-  const float* mins;
+  const S* scales;
+  const S* mins;
   int64_t tiles;
 };
 
-template <Form F, Isa I>
-void tile_range(const Weights& w, const Activations& a, int64_t M, float* out, int64_t begin, int64_t end) {
+template <Form F, Isa I, typename S>
+void tile_range(const Weights<S>& w, const Activations& a, int64_t M, float* out, int64_t begin, int64_t end) {
   const int64_t N = w.tiles * TILE;
   for (int64_t t = begin; t < end; ++t) {
-    const Tile tile_weights{w.codes + t * a.blocks * block_bytes(F), w.scales + t * a.blocks * block_scales(F),
-                            w.mins == nullptr ? nullptr : w.mins + t * a.blocks * TILE};
+    const Tile<S> tile_weights{w.codes + t * a.blocks * block_bytes(F), w.scales + t * a.blocks * block_scales(F),
+                               w.mins == nullptr ? nullptr : w.mins + t * a.blocks * TILE};
     tile<F, I>(tile_weights, a, M, out + t * TILE, N);
   }
 }
 
 // The tiles in chunks that each thread takes as it comes free (eight per thread): on a machine whose cores run at
 // different speeds (another process on one of them) a fixed split leaves the faster ones waiting at the end.
-template <Form F, Isa I>
-void all_tiles(const Weights& w, const Activations& a, int64_t M, float* out) {
+template <Form F, Isa I, typename S>
+void all_tiles(const Weights<S>& w, const Activations& a, int64_t M, float* out) {
   const int64_t threads = at::get_num_threads();
   const int64_t chunk = std::max<int64_t>(1, (w.tiles + 8 * threads - 1) / (8 * threads));
   std::atomic<int64_t> next{0};
@@ -334,8 +346,8 @@ void all_tiles(const Weights& w, const Activations& a, int64_t M, float* out) {
 }
 
 // VNNI multiplies narrow codes as any signed ones (code + 128 costs it nothing more).
-template <Isa I>
-void run(Form form, const Weights& w, const Activations& a, int64_t M, float* out) {
+template <Isa I, typename S>
+void run(Form form, const Weights<S>& w, const Activations& a, int64_t M, float* out) {
   constexpr bool avx2 = I == Isa::avx2;
   switch (form) {
     case Form::unsigned4: all_tiles<Form::unsigned4, I>(w, a, M, out); break;
@@ -344,6 +356,15 @@ void run(Form form, const Weights& w, const Activations& a, int64_t M, float* ou
     case Form::signed16: all_tiles<Form::signed16, I>(w, a, M, out); break;
     case Form::narrow32: all_tiles<avx2 ? Form::narrow32 : Form::signed32, I>(w, a, M, out); break;
     case Form::narrow16: all_tiles<avx2 ? Form::narrow16 : Form::signed16, I>(w, a, M, out); break;
+  }
+}
+
+template <typename S>
+void run_with(Isa isa, Form form, const Weights<S>& w, const Activations& a, int64_t M, torch::Tensor& out) {
+  if (isa == Isa::vnni) {
+    run<Isa::vnni>(form, w, a, M, out.data_ptr<float>());
+  } else {
+    run<Isa::avx2>(form, w, a, M, out.data_ptr<float>());
   }
 }
 
@@ -372,8 +393,9 @@ Form parse_form(bool has_mins, int64_t bits, int64_t sub) {
 
 }  // namespace
 
-// x [M, K] float32; codes [N / 16, K / 32, 256 (bits 4) or 512] uint8; scales [N / 16, K / 32, 32 / sub, 16] float32;
-// mins [N / 16, K / 32, 16] float32 (unsigned form) or None (signed); isa "avx512vnni" or "avx2" -> [M, N] float32.
+// x [M, K] float32; codes [N / 16, K / 32, 256 (bits 4) or 512] uint8; scales [N / 16, K / 32, 32 / sub, 16] float32
+// or float16; mins [N / 16, K / 32, 16] of the scales' dtype (unsigned form) or None (signed); isa "avx512vnni" or
+// "avx2" -> [M, N] float32.
 torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                            const std::optional<torch::Tensor>& mins, int64_t bits, int64_t sub, c10::string_view isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: [M, K] contiguous float32");
@@ -384,13 +406,14 @@ torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& codes, c
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 3 &&
                   codes.size(2) == block_bytes(form),
               "block_linear: codes must be contiguous uint8 [N / 16, K / 32, ", block_bytes(form), "]");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() &&
+  const bool half = scales.scalar_type() == torch::kHalf;
+  TORCH_CHECK((half || scales.scalar_type() == torch::kFloat32) && scales.is_contiguous() &&
                   scales.numel() == tiles * blocks * block_scales(form),
-              "block_linear: scales must be contiguous float32 [N / 16, K / 32, 32 / sub, 16]");
+              "block_linear: scales must be contiguous float32 or float16 [N / 16, K / 32, 32 / sub, 16]");
   if (mins.has_value()) {
-    TORCH_CHECK(mins->scalar_type() == torch::kFloat32 && mins->is_contiguous() &&
+    TORCH_CHECK(mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() &&
                     mins->numel() == tiles * blocks * TILE,
-                "block_linear: mins must be contiguous float32 [N / 16, K / 32, 16]");
+                "block_linear: mins must be contiguous [N / 16, K / 32, 16] of the scales' dtype");
   }
   auto out = torch::empty({M, tiles * TILE}, x.options());
   if (M == 0 || tiles == 0) return out;
@@ -409,12 +432,13 @@ torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& codes, c
     }
   });
   const Activations a{qcodes, qscales, qsums, qoffsets, K, blocks};
-  const Weights w{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                  mins.has_value() ? mins->data_ptr<float>() : nullptr, tiles};
-  if (chosen == Isa::vnni) {
-    run<Isa::vnni>(form, w, a, M, out.data_ptr<float>());
+  if (half) {
+    const auto as_half = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
+    run_with(chosen, form, Weights<uint16_t>{codes.data_ptr<uint8_t>(), as_half(scales),
+                                             mins.has_value() ? as_half(*mins) : nullptr, tiles}, a, M, out);
   } else {
-    run<Isa::avx2>(form, w, a, M, out.data_ptr<float>());
+    run_with(chosen, form, Weights<float>{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                                          mins.has_value() ? mins->data_ptr<float>() : nullptr, tiles}, a, M, out);
   }
   return out;
 }

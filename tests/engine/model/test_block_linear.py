@@ -16,20 +16,28 @@ ISA_PARAMS = [pytest.param(isa, marks=pytest.mark.skipif(not isa_supported(isa),
               for isa in ISAS]
 
 
-def random_weights(form: str, num_out: int, num_in: int, seed: int) -> BlockWeights:
+def random_weights(form: str, num_out: int, num_in: int, seed: int, halves: bool = False) -> BlockWeights:
     """Weights of FORM with codes over their whole range (signed: -128 included; narrow: -32..31), in assorted
-    integer dtypes."""
+    integer dtypes; with HALVES, scales and minimums that are exactly float16 numbers (as a GGUF's Q4_1 or Q8_0
+    stores them), subnormal ones included."""
     generator = torch.Generator().manual_seed(seed)
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        if halves:
+            t = t.half().float()
+            t.view(-1)[:3] = torch.tensor([2.0**-24, -(2.0**-20), 6e-5]).half().float()  # subnormal halves
+        return t
+
     if form.startswith("unsigned"):
         bits, high, dtype = (4, 16, torch.uint8) if form == "unsigned4" else (8, 32, torch.int64)
         codes = torch.randint(0, high, (num_out, num_in), generator=generator, dtype=dtype)
-        scales = torch.rand(num_out, num_in // 32, generator=generator) / 10
-        mins = -torch.rand(num_out, num_in // 32, generator=generator)
+        scales = rounded(torch.rand(num_out, num_in // 32, generator=generator) / 10)
+        mins = rounded(-torch.rand(num_out, num_in // 32, generator=generator))
         return BlockWeights(codes, scales, mins, bits=bits)
     sub, dtype = (16, torch.int16) if form.endswith("16") else (32, torch.int8)
     low = -32 if form.startswith("narrow") else -128
     codes = torch.randint(low, -low, (num_out, num_in), generator=generator, dtype=dtype)
-    scales = torch.rand(num_out, num_in // sub, generator=generator) / 100
+    scales = rounded(torch.rand(num_out, num_in // sub, generator=generator) / 100)
     return BlockWeights(codes, scales, None, bits=8, sub=sub)
 
 
@@ -66,23 +74,28 @@ def reference(x: torch.Tensor, weights: BlockWeights) -> torch.Tensor:
     return acc
 
 
+@pytest.mark.parametrize("halves", [False, True], ids=["float32-scales", "float16-scales"])
 @pytest.mark.parametrize("isa", ISA_PARAMS)
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("shape", [(40, 64), (96, 96), (640, 2048)])  # 40: a last tile padded
-def test_the_kernel_computes_the_arithmetic_it_claims_bit_for_bit(form, isa, shape):
-    weights = random_weights(form, *shape, seed=sum(shape) + FORMS.index(form))
+def test_the_kernel_computes_the_arithmetic_it_claims_bit_for_bit(form, isa, shape, halves):
+    """Scales that are exactly halves are kept as float16 (half the bytes), others as float32: the same arithmetic."""
+    weights = random_weights(form, *shape, seed=sum(shape) + FORMS.index(form), halves=halves)
     layer = BlockLinear.from_blocks(weights, isa=isa)
+    assert layer.scales.dtype == (torch.float16 if halves else torch.float32)
+    assert layer.mins is None or layer.mins.dtype == layer.scales.dtype
     x = activations(7, shape[1], seed=1)
     out = layer(x)
     assert out.shape == (7, shape[0]) and out.dtype == torch.float32
     assert torch.equal(out, reference(x, weights))
 
 
+@pytest.mark.parametrize("halves", [False, True], ids=["float32-scales", "float16-scales"])
 @pytest.mark.parametrize("isa", ISA_PARAMS)
 @pytest.mark.parametrize("form", FORMS)
-def test_a_rows_output_does_not_depend_on_the_rows_beside_it(form, isa):
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(form, isa, halves):
     """Rows alone, in groups of 4 (the kernel's row blocking) and in partial groups give bit-identical outputs."""
-    layer = BlockLinear.from_blocks(random_weights(form, 128, 192, seed=3), isa=isa)
+    layer = BlockLinear.from_blocks(random_weights(form, 128, 192, seed=3, halves=halves), isa=isa)
     x = activations(11, 192, seed=2)
     whole = layer(x)
     assert torch.equal(torch.cat([layer(x[i:i + 1]) for i in range(11)]), whole)
@@ -90,11 +103,12 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(form, isa):
         assert torch.equal(layer(x[start:end]), whole[start:end])
 
 
+@pytest.mark.parametrize("halves", [False, True], ids=["float32-scales", "float16-scales"])
 @pytest.mark.parametrize("form", FORMS)
-def test_avx2_and_avx512_vnni_give_the_same_bits(form):
+def test_avx2_and_avx512_vnni_give_the_same_bits(form, halves):
     if not all(isa_supported(isa) for isa in ISAS):
         pytest.skip("this CPU lacks one of " + ", ".join(ISAS))
-    weights = random_weights(form, 200, 320, seed=5)
+    weights = random_weights(form, 200, 320, seed=5, halves=halves)
     x = activations(9, 320, seed=4)
     vnni, avx2 = (BlockLinear.from_blocks(weights, isa=isa)(x) for isa in ISAS)
     assert torch.equal(vnni, avx2)
@@ -102,8 +116,12 @@ def test_avx2_and_avx512_vnni_give_the_same_bits(form):
 
 @pytest.mark.parametrize("form", FORMS)
 def test_fused_layers_give_their_parts_outputs(form):
-    parts = [BlockLinear.from_blocks(random_weights(form, num_out, 64, seed=num_out)) for num_out in (48, 16, 32)]
+    """Parts whose scales are halves beside one whose are not: the fused layer keeps them all as float32."""
+    parts = [BlockLinear.from_blocks(random_weights(form, num_out, 64, seed=num_out, halves=num_out != 16))
+             for num_out in (48, 16, 32)]
+    assert [part.scales.dtype for part in parts] == [torch.float16, torch.float32, torch.float16]
     fused = concatenate(parts)
+    assert fused.scales.dtype == torch.float32 and concatenate(parts[::2]).scales.dtype == torch.float16
     x = activations(5, 64, seed=6)
     assert fused.out_features == 96 and fused.in_features == 64
     assert torch.equal(fused(x), torch.cat([part(x) for part in parts], dim=1))

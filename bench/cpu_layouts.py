@@ -1,12 +1,17 @@
-"""`specserve bench kv-layout`: forward time against context length for the CPU's two KV pool layouts.
+"""`specserve bench cpu-layouts --compare WHAT`: forward time of a memory layout the CPU forward uses against the
+layout it replaced, in one process.
 
-The pool is `[layers, slots, kv_heads, head_dim]` by shape everywhere; on the CPU its memory lies head by head
-(engine/model/paged_attention.py PagedKVPool), on CUDA slot by slot. Two engines on the served model, one with each
-layout (the slot-major one made with the pool's layout patched, here only), take turns forward by forward: for each
-batch size B and context length C, B sequences of C distinct tokens are prefilled, then each engine runs forwards of
-N new tokens per sequence (a decode step at N = 1, a verify step of N - 1 drafted tokens above it), REPEATS times in
-turn. The attention kernel computes the same bits from either layout (tests/engine/model/test_decoder.py); what
-differs is how its reads stream. Each figure is the median over the repeats.
+- `kv-pool`: the KV pool, `[layers, slots, kv_heads, head_dim]` by shape everywhere, lies head by head in the CPU's
+  memory (engine/model/paged_attention.py PagedKVPool), against slot by slot (CUDA's layout);
+- `scales`: the `gguf` weights' scales and minimums stored as float16 where each is exactly a half
+  (engine/model/block_linear.py), against float32 throughout.
+
+Two engines on the served model, the second made with the layout it replaced (patched here only), take turns forward
+by forward: for each batch size B and context length C, B sequences of C distinct tokens are prefilled, then each
+engine runs forwards of N new tokens per sequence (a decode step at N = 1, a verify step of N - 1 drafted tokens above
+it), REPEATS times in turn. Both layouts give the same bits (tests/engine/model/test_decoder.py,
+tests/engine/model/test_block_linear.py); what differs is how many bytes a step reads and how they stream. Each
+figure is the median over the repeats.
 """
 from __future__ import annotations
 
@@ -20,15 +25,31 @@ from unittest import mock
 
 import torch
 
+import engine.model.block_linear as block_linear
 import engine.model.paged_attention as paged_attention
 from engine.engine import Engine
 from engine.model.forward import ForwardBatch, chain_item
 
 REPEATS = 20
-LAYOUTS = ("slot-major", "head-major")
 
 
-def add_kv_layout_flags(parser) -> None:
+def _slot_major_pool(num_layers, num_slots, num_kv_heads, head_dim, dtype, device) -> torch.Tensor:
+    return paged_attention._zeros((num_layers, num_slots, num_kv_heads, head_dim), dtype, device)
+
+
+def _float32_scales(scales, mins):
+    return scales, mins
+
+
+# what is compared -> (the layout in use, the one it replaced, the patch that builds an engine with the latter)
+COMPARISONS = {
+    "kv-pool": ("head-major", "slot-major", mock.patch.object(paged_attention, "_pool_tensor", _slot_major_pool)),
+    "scales": ("float16 where exact", "float32", mock.patch.object(block_linear, "_stored", _float32_scales)),
+}
+
+
+def add_cpu_layouts_flags(parser) -> None:
+    parser.add_argument("--compare", choices=list(COMPARISONS), required=True, help="which layout to compare")
     parser.add_argument("--contexts", default="64,256,512,1024,2048", help="context lengths, comma-separated")
     parser.add_argument("--batch-sizes", default="1,16", help="sequences per forward, comma-separated")
     parser.add_argument("--new-tokens", default="1,2,4", help="new tokens per sequence per forward, comma-separated")
@@ -36,21 +57,18 @@ def add_kv_layout_flags(parser) -> None:
                         help="contexts above this are measured at batch 1 only (their prefill at batch 16 is long)")
 
 
-def _slot_major_pool(num_layers, num_slots, num_kv_heads, head_dim, dtype, device) -> torch.Tensor:
-    return paged_attention._zeros((num_layers, num_slots, num_kv_heads, head_dim), dtype, device)
-
-
-def _engines(config) -> dict[str, Engine]:
-    with mock.patch.object(paged_attention, "_pool_tensor", _slot_major_pool):
-        slot_major = Engine(config)
-    return {"slot-major": slot_major, "head-major": Engine(config)}
+def _engines(config, compare: str) -> dict[str, Engine]:
+    """{"before": an engine with the replaced layout, "now": one as served}."""
+    with COMPARISONS[compare][2]:
+        before = Engine(config)
+    return {"before": before, "now": Engine(config)}
 
 
 def _sequences(engine: Engine, contexts: list[list[int]]) -> list[list[int]]:
     """Prefills each context as a sequence of its own -> their block tables (room for 16 more tokens each)."""
     blocks, tables = engine.scheduler.blocks, []
     for index, context in enumerate(contexts):
-        table = blocks.grow(f"kv-layout:{index}", len(context) + 16)
+        table = blocks.grow(f"cpu-layouts:{index}", len(context) + 16)
         engine.runner.execute(ForwardBatch([chain_item(context, 0, table, blocks.block_size)]))
         tables.append(table)
     return tables
@@ -80,19 +98,19 @@ def measure(engines: dict[str, Engine], batch_size: int, context_len: int, new_t
     finally:
         for engine in engines.values():
             for index in range(batch_size):
-                engine.scheduler.blocks.free(f"kv-layout:{index}")
+                engine.scheduler.blocks.free(f"cpu-layouts:{index}")
     rows = []
     for n in new_tokens:
         ms = {name: 1000 * statistics.median(seconds[(name, n)]) for name in engines}
         rows.append({"batch_size": batch_size, "context_len": context_len, "new_tokens": n,
-                     "slot_major_ms": round(ms["slot-major"], 3), "head_major_ms": round(ms["head-major"], 3),
-                     "head_over_slot": round(ms["head-major"] / ms["slot-major"], 3)})
+                     "before_ms": round(ms["before"], 3), "now_ms": round(ms["now"], 3),
+                     "now_over_before": round(ms["now"] / ms["before"], 3)})
     return rows
 
 
-def run_kv_layout(args, config, tokenizer, out_dir: Path) -> dict:
-    engines = _engines(config)
-    vocab_size = engines["head-major"].vocab_size
+def run_cpu_layouts(args, config, tokenizer, out_dir: Path) -> dict:
+    engines = _engines(config, args.compare)
+    vocab_size = engines["now"].vocab_size
     new_tokens = [int(n) for n in args.new_tokens.split(",")]
     rows = []
     for batch_size in (int(b) for b in args.batch_sizes.split(",")):
@@ -101,8 +119,9 @@ def run_kv_layout(args, config, tokenizer, out_dir: Path) -> dict:
                 continue
             rows += measure(engines, batch_size, context_len, new_tokens, vocab_size)
             print(rows[-1], flush=True)
-    results = {"benchmark": "kv-layout", "command": "specserve " + shlex.join(sys.argv[1:]),
-               "threads": torch.get_num_threads(), "repeats": REPEATS, "summary": rows}
+    now, before, _ = COMPARISONS[args.compare]
+    results = {"benchmark": "cpu-layouts", "command": "specserve " + shlex.join(sys.argv[1:]), "compare": args.compare,
+               "now": now, "before": before, "threads": torch.get_num_threads(), "repeats": REPEATS, "summary": rows}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     (out_dir / "results.md").write_text(markdown(results))
@@ -110,11 +129,12 @@ def run_kv_layout(args, config, tokenizer, out_dir: Path) -> dict:
 
 
 def markdown(results: dict) -> str:
-    lines = ["# Forward time by KV pool layout, engines in turns", "", f"Command: `{results['command']}`", "",
+    lines = [f"# Forward time by {results['compare']} layout: {results['now']} against {results['before']}, engines "
+             "in turns", "", f"Command: `{results['command']}`", "",
              f"Milliseconds per forward, median of {results['repeats']} repeats, {results['threads']} threads.", "",
-             "| batch | context | new tokens per sequence | slot-major ms | head-major ms | head ÷ slot |",
+             f"| batch | context | new tokens per sequence | {results['before']} ms | {results['now']} ms | ratio |",
              "|---|---|---|---|---|---|"]
     for row in results["summary"]:
-        lines.append(f"| {row['batch_size']} | {row['context_len']} | {row['new_tokens']} | {row['slot_major_ms']} | "
-                     f"{row['head_major_ms']} | {row['head_over_slot']} |")
+        lines.append(f"| {row['batch_size']} | {row['context_len']} | {row['new_tokens']} | {row['before_ms']} | "
+                     f"{row['now_ms']} | {row['now_over_before']} |")
     return "\n".join(lines) + "\n"
