@@ -184,7 +184,7 @@ def _gather_blocks(
     (INTO, when given, a buffer of the right size reused from layer to layer: fresh pages cost more than the copy),
     laid out as the pool is (`_gathered_slots` reads INTO by slot either way)."""
     num_reqs, num_blocks = block_table.shape
-    num_slots, kv_heads, head_dim = layer_pool.shape
+    kv_heads, head_dim = layer_pool.shape[1:]
     if _head_major(layer_pool):
         by_block = layer_pool.transpose(0, 1).view(kv_heads, -1, block_size * head_dim)
         out = into.view(kv_heads, -1, block_size * head_dim) if into is not None else None
