@@ -73,7 +73,9 @@ VNNI inline __m512 load16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-AVX2 inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+AVX2 inline __m256 load8(const uint16_t* p) {  // F16C: every CPU with AVX2 has it
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 // One row's activations per block of 32, as the header says: d = max|x| / 127, q = nearbyint(x * (1 / d)) (converted in
 // the default rounding mode, to nearest even, as nearbyint rounds), the codes' sum and its halves' offsets. Eight
