@@ -33,17 +33,14 @@ from engine.model.forward import ForwardBatch, chain_item
 REPEATS = 20
 
 
-def _slot_major_pool(num_layers, num_slots, num_kv_heads, head_dim, dtype, device) -> torch.Tensor:
-    return paged_attention._zeros((num_layers, num_slots, num_kv_heads, head_dim), dtype, device)
-
-
 def _float32_scales(scales, mins):
     return scales, mins
 
 
 # what is compared -> (the layout in use, the one it replaced, the patch that builds an engine with the latter)
 COMPARISONS = {
-    "kv-pool": ("head-major", "slot-major", mock.patch.object(paged_attention, "_pool_tensor", _slot_major_pool)),
+    "kv-pool": ("head-major", "slot-major", mock.patch.object(paged_attention, "_pool_tensor",
+                                                              paged_attention.slot_major_zeros)),
     "scales": ("float16 where exact", "float32", mock.patch.object(block_linear, "_stored", _float32_scales)),
 }
 

@@ -105,8 +105,15 @@ def _pool_tensor(
 ) -> torch.Tensor:
     """Zeros [num_layers, num_slots, kv_heads, head_dim]: on the CPU a view of head-major memory (PagedKVPool)."""
     if device.type != "cpu":
-        return _zeros((num_layers, num_slots, num_kv_heads, head_dim), dtype, device)
+        return slot_major_zeros(num_layers, num_slots, num_kv_heads, head_dim, dtype, device)
     return _zeros((num_layers, num_kv_heads, num_slots, head_dim), dtype, device).transpose(1, 2)
+
+
+def slot_major_zeros(
+    num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+) -> torch.Tensor:
+    """Zeros [num_layers, num_slots, kv_heads, head_dim] laid out slot by slot: CUDA's pool (what flash-attn reads)."""
+    return _zeros((num_layers, num_slots, num_kv_heads, head_dim), dtype, device)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -123,12 +123,9 @@ def test_the_cpu_pools_head_major_layout_changes_no_bit(tiny_model_dir, path, mo
     """The CPU pool lies head by head (engine/model/paged_attention.py PagedKVPool); a runner over a pool laid out
     slot by slot, as on CUDA, gives every logit row bit for bit, on the whole-layer kernel, the fused operators one
     by one and the torch path, through prefill, decoding beside a prefill chunk, and a tree."""
-    def slot_major(num_layers, num_slots, num_kv_heads, head_dim, dtype, device):
-        return paged_attention._zeros((num_layers, num_slots, num_kv_heads, head_dim), dtype, device)
-
     head_major = runner_for(tiny_model_dir, "gguf", True, monkeypatch, fused=path != "torch", num_slots=1024)
     with monkeypatch.context() as patch:
-        patch.setattr(paged_attention, "_pool_tensor", slot_major)
+        patch.setattr(paged_attention, "_pool_tensor", paged_attention.slot_major_zeros)
         by_slot = runner_for(tiny_model_dir, "gguf", True, monkeypatch, fused=path != "torch", num_slots=1024)
     assert by_slot.pool.keys.is_contiguous() and head_major.pool.keys.transpose(1, 2).is_contiguous()
     if path == "operators":
