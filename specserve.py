@@ -38,7 +38,8 @@ def add_calibrate_parser(commands) -> None:
         description="bigram: the model bigram table of the ngram and spectra drafters; "
                     "pld-plus: PLD+'s layer and heads; "
                     "sv: Speculative Verification's acceptance tables (needs --draft-model and --companion-model); "
-                    "corpus: SPECTRA-retrieval's corpus of the samples the model finds likeliest",
+                    "corpus: SPECTRA-retrieval's corpus of the samples the model finds likeliest, and its table of "
+                    "the model's own next tokens",
     )
     calibrate.add_argument("artifact", choices=tuple(ARTIFACTS))
     calibrate.add_argument("--out", type=Path, default=None,
@@ -49,6 +50,11 @@ def add_calibrate_parser(commands) -> None:
                            help="corpus: the fraction of each source's samples kept, lowest perplexity first")
     calibrate.add_argument("--corpus-mib", type=int, default=CalibrationOptions.corpus_mib,
                            help="corpus: MiB of retrieval index the kept samples may fill")
+    calibrate.add_argument("--corpus-sampled-prompts", type=int, default=CalibrationOptions.corpus_sampled_prompts,
+                           help="corpus: training prompts answered at T = 1 for the table of the model's own "
+                                "next tokens")
+    calibrate.add_argument("--model-ngrams-mib", type=int, default=CalibrationOptions.model_ngrams_mib,
+                           help="corpus: MiB the table of the model's own next tokens may fill")
     add_engine_flags(calibrate)
     calibrate.set_defaults(run=calibrate_artifact)
 
@@ -59,7 +65,8 @@ def calibrate_artifact(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.INFO)
     options = CalibrationOptions(args.max_new_tokens, args.out, "specserve " + shlex.join(sys.argv[1:]),
-                                 args.corpus_keep, args.corpus_mib)
+                                 args.corpus_keep, args.corpus_mib, args.corpus_sampled_prompts,
+                                 args.model_ngrams_mib)
     ARTIFACTS[args.artifact](engine_config(args, "none"), options)
 
 

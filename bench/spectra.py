@@ -9,9 +9,10 @@
   each step, the paper's setting, for its tokens per call (a step then carries ~60 look-ahead rows: slow here);
   with `--draft-model`, `draft` drafting `--num-draft-tokens` every step.
 - ablation (`--grid-limit`, the paper's Table 2): `spectra` with the planner on, whole and without each component:
-  drafting without the forward dictionary, without the backward one, without retrieval (both indexes), and with a
-  corpus index that holds every sample unfiltered (the calibration prompts' answers and the code, unscored) in
-  place of the perplexity-filtered one.
+  drafting without the forward dictionary, without the backward one, without retrieval (both indexes and the model
+  n-grams), without the model n-grams alone (drafters/model_ngrams.py), and with a corpus index that holds every
+  sample unfiltered (the calibration prompts' answers and the code, unscored) in place of the perplexity-filtered
+  one.
 Every question of a phase is answered by all its variants at once, their engines taking turns a step at a time
 (bench/runners.py's generate_together), so that the ratios compare steps milliseconds apart.
 - agentic (`--agentic N`): N requests from separate conversations whose answers repeat each other although no prompt
@@ -48,7 +49,8 @@ from engine.drafter_context import model_cache_dir
 from engine.engine import Engine
 from engine.model.draft_model import MODEL_DRAFTERS
 
-ABLATED = ("forward", "backward", "retrieval", "filter")  # Variant.without: what the ablation takes away
+# Variant.without: what the ablation takes away
+ABLATED = ("forward", "backward", "retrieval", "model-ngrams", "filter")
 TRAFFIC = "traffic"  # Variant.without: the traffic index alone (the agentic phase's comparison)
 
 
@@ -90,12 +92,14 @@ def make_runner(variant: Variant, config, temperature: float, unfiltered: Suffix
 
 
 def ablate(drafter, without: str | None, unfiltered: SuffixIndex | None) -> None:
-    """Take WITHOUT away from a SPECTRA drafter: a dictionary's guesses, both retrieval indexes, the traffic index
-    alone, or the filtered corpus (replaced by UNFILTERED)."""
+    """Take WITHOUT away from a SPECTRA drafter: a dictionary's guesses, retrieval (both indexes and the model
+    n-grams), the model n-grams alone, the traffic index alone, or the filtered corpus (replaced by UNFILTERED)."""
     if without in ("forward", "backward"):
         drafter.dictionaries = drafter.dictionaries - {without}
     elif without == "retrieval":
-        drafter.traffic = drafter.corpus = None
+        drafter.traffic = drafter.corpus = drafter.model_ngrams = None
+    elif without == "model-ngrams":
+        drafter.model_ngrams = None
     elif without == TRAFFIC:
         drafter.traffic = None
     elif without == "filter":

@@ -10,6 +10,8 @@ from drafters.tree import chain_parents
 if TYPE_CHECKING:
     import torch
 
+    from drafters.model_ngrams import ModelNgrams
+
 TOKEN_BYTES = 36  # host memory of an int in a Python list: an 8-byte reference and a 28-byte int object
 
 
@@ -127,6 +129,7 @@ class DrafterContext:
     companion_forward: ModelForward | None = None  # the same over the companion model, when the engine owns one
     sv_tables: dict[bool, AcceptanceTable] = field(default_factory=dict)  # greedy? -> `specserve calibrate sv`'s table
     spectra_corpus: list[list[int]] | None = None  # `specserve calibrate corpus`'s documents, if made
+    model_ngrams: ModelNgrams | None = None  # and its table of the model's own next tokens, if made
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -85,8 +85,8 @@ def model_bigram(context: DrafterContext) -> BackgroundTable:
 
 
 def _spectra(config: SpecConfig, context: DrafterContext) -> Drafter:
-    """SPECTRA with its traffic index (unless --spectra-index-mib 0) and the corpus `specserve calibrate corpus`
-    made for the served model, if any."""
+    """SPECTRA with its traffic index (unless --spectra-index-mib 0), and the corpus and model n-grams `specserve
+    calibrate corpus` made for the served model, if any."""
     traffic = SuffixIndex(config.spectra_index_mib * 2**20) if config.spectra_index_mib else None
     corpus = None
     if context.spectra_corpus:
@@ -97,7 +97,8 @@ def _spectra(config: SpecConfig, context: DrafterContext) -> Drafter:
         logger.info("no SPECTRA corpus for this model yet (`specserve calibrate corpus`): retrieval from the "
                     "server's own responses only")
     return SpectraDrafter(config.spectra_n, config.spectra_guesses, config.spectra_pool, config.spectra_tau,
-                          traffic=traffic, corpus=corpus, **_spectra_bigram(config, context))
+                          traffic=traffic, corpus=corpus, model_ngrams=context.model_ngrams,
+                          **_spectra_bigram(config, context))
 
 
 def _spectra_core(config: SpecConfig, context: DrafterContext) -> Drafter:

@@ -37,7 +37,9 @@ SPECTRA-RETRIEVAL's guesses follow the core's: the continuations of the context'
 (drafters/retrieval.py), the server's own traffic first (every finished response, behind the last tokens of its
 prompt, joins one index shared by all requests and sessions, bounded in bytes, oldest out: `--spectra-index-mib`),
 then the corpus `specserve calibrate corpus` kept for the served model (the paper's index: the samples the model finds
-likeliest). `spectra-core` is the core alone.
+likeliest), then one guess from the same calibration's table of the model's own confident next tokens after short
+contexts (drafters/model_ngrams.py: what is guessable in sampled text, where the conversation's n-grams rarely are).
+`spectra-core` is the core alone.
 
 Defaults are the paper's Appendix B: N = 5 (5-grams), G = 15 guesses, 15 continuations per key, W = 15 pool
 chains; tau is read the other way round (TAU).
@@ -51,6 +53,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from drafters.base import TOKEN_BYTES, Computed, Draft, DraftableRequest, common_prefix_len
 from drafters.corpus import CorpusDrafter, SessionCorpus
+from drafters.model_ngrams import ModelNgrams
+from drafters.model_ngrams import kind as model_kind
 from drafters.ngram import RowRates
 from drafters.retrieval import MAX_MATCH, SuffixIndex
 from drafters.tree import Trie, depths, scored_walk
@@ -297,8 +301,9 @@ def retrieval_guess(source: str, token_ids: list[int], match: int) -> Guess:
 
 class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
     """SPECTRA: the dictionaries' guesses (SPECTRA-core), then the retrieval indexes' (TRAFFIC: every finished
-    response of every request; CORPUS: the calibrated corpus; neither: the core alone, `spectra-core`), as one tree
-    per step, and the candidate pool's chains offered as look-ahead for the planner to carry or not."""
+    response of every request; CORPUS: the calibrated corpus; MODEL_NGRAMS: the calibration's table of the model's
+    own next tokens; none of them: the core alone, `spectra-core`), as one tree per step, and the candidate pool's
+    chains offered as look-ahead for the planner to carry or not."""
 
     name = "spectra"
 
@@ -306,11 +311,14 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
                  tau: float = TAU, per_key_cap: int = PER_KEY_CAP, seed: int = 0,
                  backward_tokens: int = BACKWARD_TOKENS,
                  traffic: SuffixIndex | None = None, corpus: SuffixIndex | None = None,
+                 model_ngrams: ModelNgrams | None = None,
                  bigram: BackgroundTable | None = None, bigram_guesses: int = 0) -> None:
         super().__init__(lambda: NgramDictionaries(n, per_key_cap))
-        self.name = "spectra" if traffic is not None or corpus is not None else "spectra-core"
+        retrieval = (traffic, corpus, model_ngrams)
+        self.name = "spectra" if any(source is not None for source in retrieval) else "spectra-core"
         self.traffic = traffic
         self.corpus = corpus
+        self.model_ngrams = model_ngrams
         self.bigram = bigram  # None: no bigram rows
         self.bigram_guesses = bigram_guesses
         self._prompt_lengths: dict[str, int] = {}  # request id -> its prompt's tokens (its response follows)
@@ -368,9 +376,9 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
 
     def guess_tree(self, index: NgramDictionaries,
                    token_ids: Sequence[int]) -> tuple[list[Guess], Trie, list[list[int]]]:
-        """At most G guesses: the backward one first, then the forward ones; then the retrieval indexes' and the
-        model bigram's. Each joins one tree as it is taken (with its nodes there); a guess the tree holds already
-        (a prefix of one taken before) adds no token and is left out."""
+        """At most G guesses: the backward one first, then the forward ones; then the retrieval indexes', the model
+        n-grams' and the model bigram's. Each joins one tree as it is taken (with its nodes there); a guess the tree
+        holds already (a prefix of one taken before) adds no token and is left out."""
         candidates = []
         if "backward" in self.dictionaries:
             backward, from_pool, context = index.backward_guess(token_ids, self.backward_tokens)
@@ -384,6 +392,9 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
                      for source, index in (("traffic", self.traffic), ("corpus", self.corpus)) if index is not None
                      for tokens, match in index.search(token_ids, RETRIEVAL_GUESSES, LONG_RETRIEVAL_TOKENS)]
         self._take(retrieved, len(guesses) + RETRIEVAL_GUESSES, tree, guesses, paths)
+        if self.model_ngrams is not None:
+            tokens, confidence = self.model_ngrams.guess(token_ids)
+            self._take([Guess(tokens, model_kind(confidence), False)], len(guesses) + 1, tree, guesses, paths)
         # each guess taken covers at most one bigram row (the one starting with its first token)
         bigram = self._bigram_guesses(token_ids[-1], len(guesses) + self.bigram_guesses)
         self._take(bigram, len(guesses) + self.bigram_guesses, tree, guesses, paths)
@@ -423,5 +434,6 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
 
     def state_bytes(self) -> int:
         pools = sum(len(pool.chains) * (self.n - 1) for pool in self._pools.values())
-        indexes = sum(index.num_bytes for index in (self.traffic, self.corpus) if index is not None)
+        indexes = sum(source.num_bytes for source in (self.traffic, self.corpus, self.model_ngrams)
+                      if source is not None)
         return super().state_bytes() + TOKEN_BYTES * pools + indexes

@@ -7,7 +7,8 @@ loaded from, and weights served at another precision get artifacts of their own.
 - SV's acceptance tables: a companion model's estimate of each drafted token's acceptance,
   over equal-frequency bins of the draft-companion overlap S and the companion's
   acceptance A (SV §4), shrunk toward the table mean where a cell holds few tokens.
-- SPECTRA-retrieval's corpus: token documents the served model finds likeliest.
+- SPECTRA-retrieval's corpus: token documents the served model finds likeliest, and its table of the model's own
+  confident next tokens.
 """
 from __future__ import annotations
 
@@ -139,12 +140,15 @@ def load_sv_tables(cache_dir: Path, fingerprints: tuple[str, ...]) -> dict[bool,
 
 @dataclass
 class SpectraCorpus:
-    """SPECTRA-retrieval's corpus (`specserve calibrate corpus`): documents of token ids, lowest perplexity first."""
+    """SPECTRA-retrieval's corpus (`specserve calibrate corpus`): documents of token ids, lowest perplexity first, and
+    the table of the model's own confident next tokens (drafters/model_ngrams.py's rows; none in a corpus made before
+    it was)."""
 
     documents: list[list[int]]
     perplexity_cutoff: float  # the highest perplexity kept
     sources: dict[str, int]  # source -> documents kept from it
     command: str = ""
+    model_ngrams: list[list[float]] = field(default_factory=list)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

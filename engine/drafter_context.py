@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from drafters.base import DrafterContext
+from drafters.model_ngrams import ModelNgrams
 from engine.artifacts import (
     PldPlusCalibration,
     SpectraCorpus,
@@ -37,6 +38,7 @@ def drafter_context(
     model_config = loaded.model.config
     fingerprint = weights_fingerprint(loaded.model, loaded.weights)
     cache_dir = model_cache_dir(config)
+    corpus = SpectraCorpus.load(corpus_path(cache_dir, fingerprint))
     sv_tables = {}
     if draft_forward and companion_forward:
         sv_tables = load_sv_tables(cache_dir, sv_fingerprints(fingerprint, draft_forward, companion_forward))
@@ -50,7 +52,8 @@ def drafter_context(
         draft_forward=draft_forward,
         companion_forward=companion_forward,
         sv_tables=sv_tables,
-        spectra_corpus=getattr(SpectraCorpus.load(corpus_path(cache_dir, fingerprint)), "documents", None),
+        spectra_corpus=corpus.documents if corpus else None,
+        model_ngrams=ModelNgrams.from_json(corpus.model_ngrams) if corpus and corpus.model_ngrams else None,
     )
 
 

@@ -9,15 +9,19 @@ import torch
 from engine.engine import Engine
 from engine.wire import EngineRequest, SamplingParams
 
+WAVE = 128  # requests queued at once
+
 
 def answers(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    """ENGINE's answer to each of PROMPTS under its PARAMS, all served together."""
-    for i, (prompt, prompt_params) in enumerate(zip(prompts, params)):
-        engine.add_request(EngineRequest(f"calibrate-{i}", prompt, prompt_params))
+    """ENGINE's answer to each of PROMPTS under its PARAMS, served together WAVE at a time (the engine's queue is
+    bounded)."""
     tokens: dict[str, list[int]] = {f"calibrate-{i}": [] for i in range(len(prompts))}
-    while engine.has_work:
-        for output in engine.step().outputs:
-            tokens[output.request_id].extend(output.new_token_ids)
+    for start in range(0, len(prompts), WAVE):
+        for i in range(start, min(start + WAVE, len(prompts))):
+            engine.add_request(EngineRequest(f"calibrate-{i}", prompts[i], params[i]))
+        while engine.has_work:
+            for output in engine.step().outputs:
+                tokens[output.request_id].extend(output.new_token_ids)
     return [tokens[f"calibrate-{i}"] for i in range(len(prompts))]
 
 

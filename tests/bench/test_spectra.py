@@ -2,12 +2,15 @@
 import pytest
 
 from bench.spectra import ABLATED, ABLATION, AGENTIC, PLANNER_OFF, TRAFFIC, ablate
+from drafters.model_ngrams import ModelNgrams
 from drafters.retrieval import SuffixIndex
 from drafters.spectra import DICTIONARIES, SpectraDrafter
 
 
 def drafter_with_both_indexes() -> SpectraDrafter:
-    return SpectraDrafter(pool_size=0, traffic=SuffixIndex(2**20), corpus=SuffixIndex(2**20))
+    """Both indexes and the model n-grams."""
+    return SpectraDrafter(pool_size=0, traffic=SuffixIndex(2**20), corpus=SuffixIndex(2**20),
+                          model_ngrams=ModelNgrams({(5,): (6, 0.9)}))
 
 
 @pytest.mark.parametrize("part", ["forward", "backward"])
@@ -18,10 +21,17 @@ def test_a_dictionary_taken_away_leaves_the_other_and_both_indexes(part):
     assert drafter.traffic is not None and drafter.corpus is not None
 
 
-def test_without_retrieval_both_indexes_go_and_the_dictionaries_stay():
+def test_without_retrieval_both_indexes_and_the_model_ngrams_go_and_the_dictionaries_stay():
     drafter = drafter_with_both_indexes()
     ablate(drafter, "retrieval", None)
-    assert drafter.traffic is None and drafter.corpus is None and drafter.dictionaries == set(DICTIONARIES)
+    assert drafter.traffic is None and drafter.corpus is None and drafter.model_ngrams is None
+    assert drafter.dictionaries == set(DICTIONARIES)
+
+
+def test_without_model_ngrams_only_the_table_goes():
+    drafter = drafter_with_both_indexes()
+    ablate(drafter, "model-ngrams", None)
+    assert drafter.model_ngrams is None and drafter.traffic is not None and drafter.corpus is not None
 
 
 def test_without_traffic_only_the_traffic_index_goes():
@@ -49,6 +59,6 @@ def test_the_ablation_rows_take_each_component_away_once_planner_on():
     labels = [variant.label for variant in ABLATION]
     assert labels == ["none", "spectra planner on", "spectra without forward planner on",
                       "spectra without backward planner on", "spectra without retrieval planner on",
-                      "spectra unfiltered corpus planner on"]
+                      "spectra without model-ngrams planner on", "spectra unfiltered corpus planner on"]
     assert {variant.without for variant in ABLATION[2:]} == set(ABLATED)
     assert [variant.label for variant in PLANNER_OFF] == ["none", "ngram planner off", "spectra planner off"]

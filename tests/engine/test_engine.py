@@ -80,6 +80,36 @@ def test_spectra_drafts_from_earlier_responses_and_stays_exact(engines):
     assert sum(hits for (kind, _), (_, hits) in drafter.rates.scored().items() if kind.startswith("traffic")) > 0
 
 
+def model_ngrams_of(engine, batch):
+    """A table of ENGINE's own greedy next tokens after the contexts its greedy answers to BATCH hold (confidence
+    0.9: every guess is priced as sure)."""
+    from drafters.model_ngrams import ModelNgrams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * len(batch)
+    answers = run_to_completion(engine, batch, params)
+    sequences = []
+    for i, prompt in enumerate(batch):
+        tokens = prompt + answers[f"req-{i}"].new_token_ids
+        sequences.append((tokens[len(prompt) - 1:-1], tokens[len(prompt):], [0.9] * (len(tokens) - len(prompt))))
+    return ModelNgrams.from_predictions(sequences)
+
+
+def test_spectra_drafting_from_the_model_ngrams_stays_exact(engines, monkeypatch):
+    """Every guess verified (planner off), the table's among them: built from other prompts, its guesses are right
+    where the tiny model's answers fall into the same cycles and wrong elsewhere; the output stays `none`'s."""
+    drafter = engines["spectra"].speculation.drafter
+    monkeypatch.setattr(drafter, "model_ngrams", model_ngrams_of(engines["none"], prompts(6, seed=31)))
+    batch = prompts(6, seed=32)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * len(batch)
+    reference = run_to_completion(engines["none"], batch, params)
+    outputs = run_to_completion(engines["spectra"], batch, params)
+    for i, prompt in enumerate(batch):
+        ref, out = reference[f"req-{i}"].new_token_ids, outputs[f"req-{i}"].new_token_ids
+        assert divergence_verdict(engines["none"].runner.model, prompt, ref, out) != "mismatch", i
+    scored = [counts for (kind, _), counts in drafter.rates.scored().items() if kind.startswith("model:")]
+    assert sum(hits for _, hits in scored) > 0 and sum(tried - hits for tried, hits in scored) > 0
+
+
 @pytest.mark.parametrize("drafter", ["copyspec", "ngram", "spectra"])
 def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(engines, drafter):
     batch = prompts(4, seed=3)

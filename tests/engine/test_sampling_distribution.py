@@ -1,6 +1,6 @@
 """Sampling with speculation must draw from the same distribution as plain sampling (chi-square), with one
 candidate per position, with several (a tree, SPECTRA's multi-candidate rule), and with SPECTRA's look-ahead rows in
-the forward."""
+the forward, and with its guesses from the model's own next tokens."""
 from collections import Counter
 
 import pytest
@@ -127,28 +127,58 @@ def test_sampling_with_a_head_matches_plain_sampling(tiny_model_dir, tiny_head_d
     assert_same_distribution(plain, speculative)
 
 
+def spectra_engine(tiny_model_dir, drafter):
+    return Engine(EngineConfig(
+        model=ModelConfig(model=tiny_model_dir, device="cpu"),
+        cache=CacheConfig(0.05),  # the pool is zeroed at start-up: a small one for this tiny model
+        scheduler=SchedulerConfig(
+            max_num_seqs=NUM_SAMPLES, max_num_batched_tokens=32 * NUM_SAMPLES, max_waiting=NUM_SAMPLES,
+            use_goodput_planner=False,
+        ),
+        # rows within 32 a request; no traffic index (each finished sample would be drafted from)
+        spec=SpecConfig(drafter=drafter, spectra_guesses=3, spectra_pool=2, spectra_index_mib=0),
+    ))
+
+
+def greedy_cycle_prompt(plain_engine) -> list[int]:
+    """PROMPT and the model's own greedy answer: a prompt ending in its greedy cycle, so that guesses from its
+    n-grams are sometimes sampled too."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    return PROMPT + run_to_completion(plain_engine, [PROMPT], [greedy])["req-0"].new_token_ids
+
+
 @pytest.mark.slow
 def test_spectra_sampling_with_lookahead_rows_matches_plain_sampling(tiny_model_dir):
     """SPECTRA's own drafter: its guesses as one tree and its candidate pool's look-ahead rows in the same forward
     (planner off: every chain carried), sampled at T = 1 by the multi-candidate rule."""
-    def engine(drafter):
-        return Engine(EngineConfig(
-            model=ModelConfig(model=tiny_model_dir, device="cpu"),
-            cache=CacheConfig(0.05),  # the pool is zeroed at start-up: a small one for this tiny model
-            scheduler=SchedulerConfig(
-                max_num_seqs=NUM_SAMPLES, max_num_batched_tokens=32 * NUM_SAMPLES, max_waiting=NUM_SAMPLES,
-                use_goodput_planner=False,
-            ),
-            spec=SpecConfig(drafter=drafter, spectra_guesses=3, spectra_pool=2),  # rows within 32 a request
-        ))
-
-    plain_engine = engine("none")  # the prompt ends in the model's own greedy cycle, so the dictionaries' guesses
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)  # are sometimes sampled too
-    prompt = PROMPT + run_to_completion(plain_engine, [PROMPT], [greedy])["req-0"].new_token_ids
+    plain_engine = spectra_engine(tiny_model_dir, "none")
+    prompt = greedy_cycle_prompt(plain_engine)
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
     plain, _ = sample_pairs(plain_engine, params, prompt)
-    spectra = engine("spectra-core")
+    spectra = spectra_engine(tiny_model_dir, "spectra-core")
     speculative, num_accepted = sample_pairs(spectra, params, prompt)
     assert 20 <= num_accepted < 2 * NUM_SAMPLES  # accepted and rejected guesses both ran
     assert spectra.speculation.drafter.lookahead_yield.rows >= NUM_SAMPLES  # the pool's rows were in the forwards
+    assert_same_distribution(plain, speculative)
+
+
+@pytest.mark.slow
+def test_spectra_sampling_with_model_ngram_guesses_matches_plain_sampling(tiny_model_dir):
+    """SPECTRA drafting from the table of the model's own next tokens alone (drafters/model_ngrams.py; its
+    dictionaries set aside), the table holding the model's greedy cycle as the prompt shows it: its guesses are the
+    likeliest tokens, sampled often and rejected often at T = 1."""
+    from drafters.model_ngrams import ModelNgrams
+
+    plain_engine = spectra_engine(tiny_model_dir, "none")
+    prompt = greedy_cycle_prompt(plain_engine)
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+    plain, _ = sample_pairs(plain_engine, params, prompt)
+    spectra = spectra_engine(tiny_model_dir, "spectra")
+    drafter = spectra.speculation.drafter
+    drafter.dictionaries = frozenset()
+    drafter.model_ngrams = ModelNgrams.from_predictions([(prompt[:-1], prompt[1:], [0.9] * len(prompt))])
+    speculative, num_accepted = sample_pairs(spectra, params, prompt)
+    tried = sum(tried for (kind, _), (tried, _) in drafter.rates.scored().items() if kind.startswith("model:"))
+    assert tried >= NUM_SAMPLES // 4  # the table's guesses were drafted (where a sample's context is in it)
+    assert 20 <= num_accepted < tried  # accepted and rejected both
     assert_same_distribution(plain, speculative)

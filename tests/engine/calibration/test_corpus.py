@@ -1,13 +1,14 @@
 """SPECTRA's retrieval corpus: perplexity under the served model, the lowest kept per source within the byte bound,
-and the artifact the drafter loads."""
+the model's predictions for its table of next tokens, and the artifact the drafter loads."""
 import math
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from drafters.retrieval import BYTES_PER_TOKEN
 from engine.artifacts import SpectraCorpus, corpus_path
-from engine.calibration.corpus import Sample, perplexity, select
+from engine.calibration.corpus import Sample, perplexity, score, select
 
 
 def test_perplexity_is_of_the_sample_given_its_context(tiny_model_dir):
@@ -45,3 +46,42 @@ def test_the_corpus_artifact_round_trips_and_feeds_spectra(tmp_path):
     assert drafter.traffic is None and drafter.corpus.num_documents == 2 and drafter.name == "spectra"
     guesses = drafter.guesses(drafter.new_index(), [60, 61, 7, 8, 9])
     assert drafter.bigram is None and [(g.token_ids, g.kind) for g in guesses] == [([10, 11, 12], "corpus:short")]
+
+
+def test_scoring_also_gives_the_models_prediction_after_each_token_of_the_sample(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    sample = Sample("answers", [1, 5, 6], [7, 8, 9])
+    score(model, sample)
+    with torch.no_grad():
+        probs = model(input_ids=torch.tensor([[1, 5, 6, 7, 8, 9]])).logits[0, 3:].double().softmax(-1)
+    assert sample.predicted == probs.argmax(-1).tolist()  # after 7, after 8, after 9
+    assert sample.confidence == pytest.approx(probs.max(-1).values.tolist(), rel=1e-4)
+    assert sample.perplexity == pytest.approx(perplexity(model, [1, 5, 6], [7, 8, 9]))
+
+
+def test_the_model_ngrams_travel_in_the_corpus_artifact_to_spectra(tmp_path):
+    from drafters.config import SpecConfig
+    from drafters.model_ngrams import ModelNgrams
+    from drafters.registry import build_drafter
+    from tests.drafters.test_registry import context
+
+    table = ModelNgrams({(8, 9): (10, 0.9), (3,): (4, 0.5)})
+    SpectraCorpus([[3, 4, 5, 6]], 2.5, {"code": 1}, "cmd", table.to_json()).save(corpus_path(tmp_path, "fp"))
+    loaded = SpectraCorpus.load(corpus_path(tmp_path, "fp"))
+    ctx = context(tmp_path)
+    ctx.model_ngrams = ModelNgrams.from_json(loaded.model_ngrams)
+    drafter = build_drafter(SpecConfig(drafter="spectra", spectra_index_mib=0, spectra_pool=0), ctx)
+    assert drafter.model_ngrams.entries == table.entries
+    guesses = drafter.guesses(drafter.new_index(), [60, 61, 8, 9])
+    assert [(g.token_ids, g.kind) for g in guesses] == [([10], "model:conf9")]
+
+
+def test_a_corpus_made_before_the_model_ngrams_loads_without_them(tmp_path):
+    import json
+
+    path = corpus_path(tmp_path, "fp")
+    SpectraCorpus([[3, 4, 5, 6]], 2.5, {"code": 1}).save(path)
+    data = json.loads(path.read_text())
+    del data["model_ngrams"]
+    path.write_text(json.dumps(data))
+    assert SpectraCorpus.load(path).model_ngrams == []
