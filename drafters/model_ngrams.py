@@ -11,17 +11,19 @@ Why: sampled at T = 1, a chat answer is new text, so the conversation's own n-gr
 guessed is where the model itself is sure (the rest of a word, the syntax after a keyword), and a drafted token
 there is accepted with about the probability the target gives it. Replaying the target's T = 1 answers to 20
 questions per set against a table built from its T = 1 answers to 400 training prompts (82k tokens), a depth-1
-guess where the table knows one is accepted 0.26 / 0.30 / 0.30 of the time on MT-Bench / HumanEval / GSM8K (0.02-0.05
-tokens per position, on 20-39 % of positions); the stored confidence overstates the acceptance (0.96 against 0.55 in
-its top bin: three tokens do not fix what the model predicts), so each guess is scored under the kind of its first
-token's confidence (`kind`) and the planner prices it by what that kind really accepted.
+guess where the table knows one is accepted 0.26 / 0.30 / 0.30 of the time on MT-Bench / HumanEval / GSM8K (on
+20 / 39 / 31 % of positions: 0.05 / 0.12 / 0.09 tokens per position); the stored confidence overstates the
+acceptance (0.96 against 0.55 in its top bin: three tokens do not fix what the model predicts), so each guess is
+scored under the kind of its first token's confidence (`kind`) and the planner prices it by what that kind really
+accepted.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
 CONTEXT_TOKENS = 3  # the longest context a table entry has (4 guessed no better in the replay above)
-MIN_CONFIDENCE = 0.3  # entries the target predicted less surely than this are dropped (the replay: ~0.13 pays a row)
+# entries the target predicted less surely than this are dropped (a verified row costs ~0.15 of a CPU step)
+MIN_CONFIDENCE = 0.3
 GUESS_TOKENS = 4  # the longest guess (the planner prices each deeper token by its kind's rate at its depth)
 BYTES_PER_ENTRY = 150  # host memory of an entry (tracemalloc, CPython 3.11: 148 over a calibrated table of 84k)
 

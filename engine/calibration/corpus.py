@@ -61,16 +61,9 @@ class Sample:
     confidence: list[float] = field(default_factory=list)  # its probability there
 
 
-def perplexity(model: torch.nn.Module, context: list[int], token_ids: list[int]) -> float:
-    """exp of the mean negative log-likelihood of TOKEN_IDS after CONTEXT under MODEL (its first token unscored
-    when CONTEXT is empty)."""
-    sample = Sample("", context, token_ids)
-    score(model, sample)
-    return sample.perplexity
-
-
 def score(model: torch.nn.Module, sample: Sample) -> None:
-    """SAMPLE's perplexity after its context under MODEL, and the model's prediction after each of its tokens."""
+    """SAMPLE's perplexity under MODEL: exp of the mean negative log-likelihood of its tokens after its context (the
+    first token unscored when the context is empty); and the model's prediction after each of its tokens."""
     ids = sample.context + sample.token_ids
     with torch.inference_mode():
         log_probs = model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)

@@ -8,7 +8,13 @@ from transformers import AutoModelForCausalLM
 
 from drafters.retrieval import BYTES_PER_TOKEN
 from engine.artifacts import SpectraCorpus, corpus_path
-from engine.calibration.corpus import Sample, perplexity, score, select
+from engine.calibration.corpus import Sample, score, select
+
+
+def perplexity(model, context: list[int], token_ids: list[int]) -> float:
+    sample = Sample("answers", context, token_ids)
+    score(model, sample)
+    return sample.perplexity
 
 
 def test_perplexity_is_of_the_sample_given_its_context(tiny_model_dir):
