@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence, TypeVar
 
 from drafters.tree import chain_parents
 
@@ -130,6 +130,31 @@ class DrafterContext:
     sv_tables: dict[bool, AcceptanceTable] = field(default_factory=dict)  # greedy? -> `specserve calibrate sv`'s table
     spectra_corpus: list[list[int]] | None = None  # `specserve calibrate corpus`'s documents, if made
     model_ngrams: ModelNgrams | None = None  # and its table of the model's own next tokens, if made
+
+
+Value = TypeVar("Value")
+
+
+def follow_longest_contexts(
+    table: Mapping[tuple[int, ...], Value], token_ids: Sequence[int], longest: int, max_tokens: int,
+    token_of: Callable[[Value], int] | None = None,
+) -> list[tuple[tuple[int, ...], Value]]:
+    """Up to MAX_TOKENS steps of a guess from a table of contexts: each the entry of the longest context (of the last
+    LONGEST tokens of TOKEN_IDS and the guess so far) that TABLE holds, as (that context, its value); it stops where
+    TABLE holds none. TOKEN_OF: the guessed token of a value (None: the value is the token)."""
+    context = tuple(token_ids[-longest:])
+    steps: list[tuple[tuple[int, ...], Value]] = []
+    while len(steps) < max_tokens:
+        for length in range(len(context), 0, -1):
+            key = context[-length:]
+            value = table.get(key)
+            if value is not None:
+                break
+        else:
+            break
+        steps.append((key, value))
+        context = (context + (value if token_of is None else token_of(value),))[-longest:]
+    return steps
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

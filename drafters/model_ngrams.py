@@ -20,6 +20,9 @@ accepted.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from operator import itemgetter
+
+from drafters.base import follow_longest_contexts
 
 CONTEXT_TOKENS = 3  # the longest context a table entry has (4 guessed no better in the replay above)
 # entries the target predicted less surely than this are dropped (a verified row costs ~0.15 of a CPU step)
@@ -70,20 +73,9 @@ class ModelNgrams:
     def guess(self, token_ids: Sequence[int], max_tokens: int = GUESS_TOKENS) -> tuple[list[int], float]:
         """Up to MAX_TOKENS tokens after TOKEN_IDS, each the entry of the longest context (of their last tokens and
         the guess so far) the table holds; and the first token's confidence (0.0: no guess)."""
-        context = tuple(token_ids[-self.context_tokens:])
-        guess: list[int] = []
-        first_confidence = 0.0
-        while len(guess) < max_tokens:
-            for length in range(len(context), 0, -1):
-                entry = self.entries.get(context[-length:])
-                if entry is not None:
-                    break
-            else:
-                break
-            token, confidence = entry
-            first_confidence = first_confidence or confidence
-            guess.append(token)
-            context = (context + (token,))[-self.context_tokens:]
+        steps = follow_longest_contexts(self.entries, token_ids, self.context_tokens, max_tokens, itemgetter(0))
+        guess = [token for _, (token, _) in steps]
+        first_confidence = steps[0][1][1] if steps else 0.0
         return guess, first_confidence
 
     def to_json(self) -> list[list[float]]:

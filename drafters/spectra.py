@@ -51,7 +51,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from drafters.base import TOKEN_BYTES, Computed, Draft, DraftableRequest, common_prefix_len
+from drafters.base import TOKEN_BYTES, Computed, Draft, DraftableRequest, common_prefix_len, follow_longest_contexts
 from drafters.corpus import CorpusDrafter, SessionCorpus
 from drafters.model_ngrams import ModelNgrams
 from drafters.model_ngrams import kind as model_kind
@@ -185,23 +185,10 @@ class NgramDictionaries:
         """Up to MAX_TOKENS tokens, each the backward dictionary's next token after the longest context (of the
         list's last tokens and the guess so far) that it knows; it stops where it knows none. Also whether an entry
         the pool wrote gave any of them, and how many tokens long the context of the first one was (0: no guess)."""
-        longest = self.n - 1
-        context = tuple(token_ids[-longest:])
-        guess: list[int] = []
-        from_pool = False
-        first_context = 0
-        while len(guess) < max_tokens:
-            for k in range(len(context), 0, -1):
-                key = context[-k:]
-                following = self.backward.get(key)
-                if following is not None:
-                    break
-            else:
-                break
-            from_pool = from_pool or key in self.pool_backward
-            first_context = first_context or k
-            guess.append(following)
-            context = (context + (following,))[-longest:]
+        steps = follow_longest_contexts(self.backward, token_ids, self.n - 1, max_tokens)
+        guess = [token for _, token in steps]
+        from_pool = any(context in self.pool_backward for context, _ in steps)
+        first_context = len(steps[0][0]) if steps else 0
         return guess, from_pool, first_context
 
 
