@@ -12,5 +12,5 @@ class CalibrationOptions:
     command: str = ""  # the command line, recorded in what `out` receives
     corpus_keep: float = 0.5  # corpus: the fraction of each source's samples kept, lowest perplexity first
     corpus_mib: int = 16  # corpus: the index the kept samples may fill (drafters/retrieval.py's bytes per token)
-    corpus_sampled_prompts: int = 500  # corpus: training prompts answered at T = 1 for the model n-grams' table
+    corpus_sampled_prompts: int = 1000  # corpus: training prompts answered at T = 1 for the model n-grams' table
     model_ngrams_mib: int = 16  # corpus: the model n-grams' table at most (drafters/model_ngrams.py's bytes an entry)
