@@ -183,7 +183,9 @@ def llama_server_runner(args: argparse.Namespace, name: str, out_dir: Path) -> L
 def add_concurrency_flags(parser: argparse.ArgumentParser) -> None:
     add_drafters_flag(parser, tuple(d for d in ALL_DRAFTERS if not d.startswith("hf-")))
     add_limit_flag(parser)
-    parser.add_argument("--concurrency", type=parse_ints, default=(1, 4, 16, 32, 64), help="client counts")
+    parser.add_argument("--concurrency", type=parse_ints, default=(1, 4, 16, 32, 64),
+                        help="client counts, in order; one named again is measured again (a round) on the next "
+                             "conversations, and its ratios pool the rounds")
     parser.add_argument("--requests-per-client", type=int, default=2, help="turn-2 requests per client and level")
     parser.add_argument("--peers", type=comma_list(PEERS, what="peers", may_be_empty=True), default=PEERS[:1],
                         help=f"peer servers from {PEERS}, or ''")
@@ -201,8 +203,8 @@ def add_concurrency_flags(parser: argparse.ArgumentParser) -> None:
 
 def run_concurrency(args: argparse.Namespace, config: EngineConfig, tokenizer, out_dir: Path) -> None:
     """HTTP servers under C concurrent clients; specserve per drafter and the peers."""
-    # Every level replays the same conversations: unless every server caches every prompt first (--warm-prompts), a
-    # session cache would turn later levels into hits the peers never get.
+    # Levels cycle through the conversations, so a later one may replay an earlier one's: unless every server caches
+    # every prompt first (--warm-prompts), a session cache would turn those into hits the peers never get.
     engine_flags = specserve_engine_flags(config) + ["--session-mode", "implicit" if args.warm_prompts else "off"]
     if args.completions:
         conversations = [q["completion"] for q in load_questions("humaneval", args.data_dir)[: args.limit]]

@@ -5,8 +5,11 @@ the measured phase holds turn 2 alone. All servers under test (specserve per dra
 serve --continuous-batching`) are started on loopback up front and warmed up with one short request each. Then the
 levels are interleaved: at each concurrency level the servers are driven one after another, the others idle, in an
 order reversed at every other level, so a level's ratios compare measurements minutes apart, not the tens of minutes
-over which a shared machine's speed drifts. All servers are stopped at the end, also on error. Throughput is turn-2
-tokens over the level's wall time.
+over which a shared machine's speed drifts. Each level sends the next conversations of the set (cycling), the same
+ones to every server, so that what a server learns from traffic (SPECTRA's traffic index) is not the answer to a
+later level's questions. A level named more than once is measured again, a round each, and its ratios pool the rounds
+(tokens over seconds): on a shared 2-core host one pair of runs swings by ±10 %, and rounds in reversed orders cancel
+drift. All servers are stopped at the end, also on error. Throughput is turn-2 tokens over the level's wall time.
 
 `transformers serve` cannot batch a GGUF checkpoint (its model manager reads `config.architectures`, which GGUF
 configs leave empty), so a GGUF model is served from the engine's dequantized checkpoint of it
@@ -56,8 +59,9 @@ WARMUP_MAX_TOKENS = 8
 WORKLOADS = ("MT-Redundant turn 2", "HumanEval completions through /v1/completions")  # chat, text prompts
 ORDER = "interleaved by level"  # results.json setup["order"]
 ORDER_NOTE = ("All servers up at once; at each level they are driven one after another (the others idle), "
-              "in an order reversed at every other level; `measured_at_s` in results.json says when each row was "
-              "taken.")
+              "in an order reversed at every other level, each level on the next conversations; a level measured "
+              "in several rounds has its ratios pooled over them; `measured_at_s` in results.json says when each "
+              "row was taken.")
 
 
 @dataclass
@@ -260,8 +264,14 @@ def level_order(num_servers: int, level_index: int) -> list[int]:
     return order if level_index % 2 == 0 else order[::-1]
 
 
-def level_batch(conversations: list[list[dict]], concurrency: int, requests_per_client: int) -> list[list[dict]]:
-    return [conversations[i % len(conversations)] for i in range(concurrency * requests_per_client)]
+def level_batches(conversations: list, levels: list[int], requests_per_client: int) -> list[list]:
+    """Per level, the conversations its clients send: the next CONCURRENCY * REQUESTS_PER_CLIENT of the set, cycling."""
+    batches, start = [], 0
+    for concurrency in levels:
+        size = concurrency * requests_per_client
+        batches.append([conversations[(start + i) % len(conversations)] for i in range(size)])
+        start += size
+    return batches
 
 
 def measure_level(under_test: ServerUnderTest, server: RunningServer, batch: list[list[dict]], concurrency: int,
@@ -277,18 +287,20 @@ def measure_level(under_test: ServerUnderTest, server: RunningServer, batch: lis
 
 def drive_levels(num_servers: int, levels: list[int], measure: Callable[[int, int], dict],
                  after_level: Callable[[list[dict]], None]) -> list[dict]:
-    """Each level, every server in level_order via MEASURE(index, concurrency); rows kept in server order per level.
+    """Each level, every server in level_order via MEASURE(server index, level index); rows kept in server order per
+    level.
 
-    Each row gets `measured_at_s`, seconds from the first measurement's start to its own; AFTER_LEVEL gets the rows
-    so far.
+    Each row gets `round` (earlier levels of the same concurrency) and `measured_at_s`, seconds from the first
+    measurement's start to its own; AFTER_LEVEL gets the rows so far.
     """
     rows: list[dict] = []
     start = time.perf_counter()  # seconds
     for level_index, concurrency in enumerate(levels):
         level_rows = {}
+        extra = {"round": levels[:level_index].count(concurrency)}
         for index in level_order(num_servers, level_index):
-            measured_at_s = round(time.perf_counter() - start, 1)
-            level_rows[index] = {**measure(index, concurrency), "measured_at_s": measured_at_s}
+            extra["measured_at_s"] = round(time.perf_counter() - start, 1)
+            level_rows[index] = {**measure(index, level_index), **extra}
             print(json.dumps(level_rows[index]), flush=True)
         rows += [level_rows[index] for index in range(num_servers)]
         after_level(rows)
@@ -299,17 +311,19 @@ def measure_servers(servers: list[ServerUnderTest], conversations: list[list[dic
                     requests_per_client: int, max_tokens: int, log_dir: Path,
                     after_level: Callable[[list[dict]], None], warm_prompts: bool = False) -> list[dict]:
     """All SERVERS up at once, driven level by level (drive_levels), and stopped at the end."""
+    batches = level_batches(conversations, levels, requests_per_client)
     with running_servers(servers, conversations, log_dir, warm_prompts) as running:
-        def measure(index: int, concurrency: int) -> dict:
-            batch = level_batch(conversations, concurrency, requests_per_client)
-            return measure_level(servers[index], running[index], batch, concurrency, max_tokens)
+        def measure(index: int, level_index: int) -> dict:
+            return measure_level(servers[index], running[index], batches[level_index], levels[level_index],
+                                 max_tokens)
 
         return drive_levels(len(servers), levels, measure, after_level)
 
 
 def throughput_ratios(rows: list[dict]) -> list[dict]:
-    """Per concurrency: each specserve drafter over specserve `none`, and each specserve drafter over each peer."""
-    speed = {(r["concurrency"], r["server"], r["drafter"]): r["tokens_per_s"] for r in rows}
+    """Per concurrency: each specserve drafter over specserve `none`, and each specserve drafter over each peer; a
+    level measured in rounds pools them (tokens over seconds) and lists each round's ratio too."""
+    speed = pooled_speeds(rows)
     drafters = list(dict.fromkeys(r["drafter"] for r in rows if r["server"] == "specserve"))
     peers = list(dict.fromkeys((r["server"], r["drafter"]) for r in rows if r["server"] != "specserve"))
     pairs = [(("specserve", d), ("specserve", "none")) for d in drafters if d != "none"]
@@ -319,9 +333,30 @@ def throughput_ratios(rows: list[dict]) -> list[dict]:
         for top, bottom in pairs:
             a, b = speed.get((concurrency, *top)), speed.get((concurrency, *bottom))
             if a is not None and b:
-                ratios.append({"concurrency": concurrency, "numerator": "/".join(top), "denominator": "/".join(bottom),
-                               "ratio": round(a / b, 3)})
+                ratio = {"concurrency": concurrency, "numerator": "/".join(top), "denominator": "/".join(bottom),
+                         "ratio": round(a / b, 3)}
+                by_round = round_ratios(rows, concurrency, top, bottom)
+                ratios.append({**ratio, "ratio_by_round": by_round} if len(by_round) > 1 else ratio)
     return ratios
+
+
+def pooled_speeds(rows: list[dict]) -> dict[tuple, float]:
+    """(concurrency, server, drafter) -> tokens per second over all its rounds."""
+    tokens, seconds = {}, {}
+    for r in rows:
+        key = (r["concurrency"], r["server"], r["drafter"])
+        tokens[key] = tokens.get(key, 0.0) + r["tokens_per_s"] * r["seconds"]
+        seconds[key] = seconds.get(key, 0.0) + r["seconds"]
+    return {key: tokens[key] / seconds[key] for key in tokens if seconds[key]}
+
+
+def round_ratios(rows: list[dict], concurrency: int, top: tuple, bottom: tuple) -> list[float]:
+    """TOP's speed over BOTTOM's in each round of the level, in round order."""
+    speed = {(r.get("round", 0), r["server"], r["drafter"]): r["tokens_per_s"] for r in rows
+             if r["concurrency"] == concurrency}
+    rounds = sorted({key[0] for key in speed})
+    return [round(speed[(n, *top)] / speed[(n, *bottom)], 3) for n in rounds
+            if speed.get((n, *top)) is not None and speed.get((n, *bottom))]
 
 
 def _cell(value, spec: str = "") -> str:
@@ -334,20 +369,29 @@ def markdown_report(rows: list[dict], ratios: list[dict], command: str, workload
              "| τ | drafted | verified | engine step ms | engine busy |",
              "|" + "---|" * 12]
     for r in rows:
-        lines.append(f"| {r['concurrency']} | {r['server']} | {r['drafter']} | {r['tokens_per_s']:.1f} | "
+        lines.append(f"| {_level(r)} | {r['server']} | {r['drafter']} | {r['tokens_per_s']:.1f} | "
                      f"{r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['itl_p50_s']:.3f} | "
                      f"{_cell(r['mean_acceptance_length'], '.2f')} | {_cell(r['drafted_tokens'])} | "
                      f"{_cell(r['verified_draft_tokens'])} | {_cell(r.get('engine_step_ms'), '.2f')} | "
                      f"{_cell(r.get('engine_busy_fraction'), '.0%')} |")
     columns = list(dict.fromkeys(f"{q['numerator']} ÷ {q['denominator']}" for q in ratios))
     if columns:
-        cells = {(q["concurrency"], f"{q['numerator']} ÷ {q['denominator']}"): q["ratio"] for q in ratios}
-        lines += ["", "Throughput ratios (tok/s over tok/s):", "",
+        cells = {(q["concurrency"], f"{q['numerator']} ÷ {q['denominator']}"): _ratio_cell(q) for q in ratios}
+        lines += ["", "Throughput ratios (tok/s over tok/s; over rounds pooled, each round's in brackets):", "",
                   "| concurrency | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 1)]
         for concurrency in dict.fromkeys(q["concurrency"] for q in ratios):
             lines.append(f"| {concurrency} | "
-                         + " | ".join(_cell(cells.get((concurrency, c)), '.2f') for c in columns) + " |")
+                         + " | ".join(cells.get((concurrency, c), "–") for c in columns) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _level(row: dict) -> str:
+    return f"{row['concurrency']}" + (f", round {row['round'] + 1}" if row.get("round") else "")
+
+
+def _ratio_cell(ratio: dict) -> str:
+    rounds = ratio.get("ratio_by_round")
+    return f"{ratio['ratio']:.2f}" + (f" ({', '.join(f'{r:.2f}' for r in rounds)})" if rounds else "")
 
 
 def write_concurrency_results(rows: list[dict], command: str, out_dir: Path, setup: dict | None = None) -> None:
@@ -369,8 +413,9 @@ def _plot_throughput(rows: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     levels = sorted({r["concurrency"] for r in rows})
+    speed = pooled_speeds(rows)
     for key in dict.fromkeys((r["server"], r["drafter"]) for r in rows):
-        points = [(r["concurrency"], r["tokens_per_s"]) for r in rows if (r["server"], r["drafter"]) == key]
+        points = [(c, speed[(c, *key)]) for c in levels if (c, *key) in speed]
         ax.plot(*zip(*points), marker="o", label=f"{key[0]} / {key[1]}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(levels, [str(c) for c in levels])

@@ -17,6 +17,7 @@ from bench.concurrency import (
     RequestTiming,
     ServerUnderTest,
     drive_levels,
+    level_batches,
     level_order,
     markdown_report,
     measure_servers,
@@ -230,15 +231,16 @@ def test_level_order_reverses_at_every_other_level():
 
 
 def test_drive_levels_interleaves_servers_and_writes_after_each_level():
-    calls, written = [], []
+    calls, written, levels = [], [], [1, 4, 16]
 
-    def measure(index: int, concurrency: int) -> dict:
-        calls.append((index, concurrency))
-        return {"concurrency": concurrency, "index": index}
+    def measure(index: int, level_index: int) -> dict:
+        calls.append((index, levels[level_index]))
+        return {"concurrency": levels[level_index], "index": index}
 
-    rows = drive_levels(3, [1, 4, 16], measure, lambda rows_so_far: written.append(list(rows_so_far)))
+    rows = drive_levels(3, levels, measure, lambda rows_so_far: written.append(list(rows_so_far)))
     assert calls == [(0, 1), (1, 1), (2, 1), (2, 4), (1, 4), (0, 4), (0, 16), (1, 16), (2, 16)]
     assert [(r["concurrency"], r["index"]) for r in rows] == [(c, i) for c in (1, 4, 16) for i in range(3)]
+    assert {r["round"] for r in rows} == {0}
     assert [len(w) for w in written] == [3, 6, 9] and written[-1] == rows
     times = {(r["index"], r["concurrency"]): r["measured_at_s"] for r in rows}
     in_measuring_order = [times[call] for call in calls]
@@ -248,14 +250,43 @@ def test_drive_levels_interleaves_servers_and_writes_after_each_level():
 def test_drive_levels_keeps_finished_levels_when_a_later_one_fails():
     written = []
 
-    def measure(index: int, concurrency: int) -> dict:
-        if concurrency == 4 and index == 0:
+    def measure(index: int, level_index: int) -> dict:
+        if level_index == 1 and index == 0:
             raise RuntimeError("server died")
-        return {"concurrency": concurrency, "index": index}
+        return {"concurrency": [1, 4][level_index], "index": index}
 
     with pytest.raises(RuntimeError, match="server died"):
         drive_levels(2, [1, 4], measure, lambda rows_so_far: written.append(list(rows_so_far)))
     assert [[(r["concurrency"], r["index"]) for r in w] for w in written] == [[(1, 0), (1, 1)]]
+
+
+def test_a_level_named_again_is_a_round_in_the_other_order():
+    calls = []
+
+    def measure(index: int, level_index: int) -> dict:
+        calls.append((index, level_index))
+        return {"concurrency": 16, "index": index}
+
+    rows = drive_levels(2, [16, 16, 16], measure, lambda rows_so_far: None)
+    assert calls == [(0, 0), (1, 0), (1, 1), (0, 1), (0, 2), (1, 2)]
+    assert [(r["round"], r["index"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+
+
+def test_each_level_sends_the_next_conversations_cycling():
+    conversations = list("abcde")
+    assert level_batches(conversations, [1, 2, 1], 2) == [["a", "b"], ["c", "d", "e", "a"], ["b", "c"]]
+
+
+def test_rounds_pool_tokens_over_seconds_and_keep_each_ratio():
+    rounds = [(0, "none", 100.0, 10.0), (0, "spectra", 120.0, 10.0), (1, "none", 50.0, 20.0),
+              (1, "spectra", 45.0, 20.0)]
+    rows = [{**row(16, "specserve", drafter, speed), "seconds": seconds, "round": n}
+            for n, drafter, speed, seconds in rounds]
+    [ratio] = throughput_ratios(rows)
+    # pooled: (1200 + 900) / 30 s over (1000 + 1000) / 30 s
+    assert ratio["ratio"] == 1.05 and ratio["ratio_by_round"] == [1.2, 0.9]
+    markdown = markdown_report(rows, [ratio], "cmd")
+    assert "| 16, round 2 | specserve | none | 50.0 |" in markdown and "| 16 | 1.05 (1.20, 0.90) |" in markdown
 
 
 def stand_in(tmp_path, name: str) -> ServerUnderTest:
