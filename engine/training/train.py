@@ -20,7 +20,7 @@ from engine.drafter_context import model_cache_dir
 from engine.engine import Engine
 from engine.model.eagle3 import Eagle3Config, Eagle3Head, save_eagle3_head
 from engine.model.tokenizer import load_tokenizer
-from engine.training.data import TrainingData, build_training_data
+from engine.training.data import SELF_WRITTEN_SHARE, TrainingData, build_training_data
 from engine.training.ttt import (
     LEARNING_RATE,
     MAX_GRAD_NORM,
@@ -40,7 +40,7 @@ VALIDATION_EVERY = 10  # every tenth answer is held out for validation
 @dataclass(frozen=True)
 class TrainOptions:
     out: Path  # the head's folder
-    num_prompts: int = 1000  # training prompts answered (engine/training/prompts.py)
+    num_prompts: int = 1000  # training prompts answered: templates' and the model's own (training/data.py)
     max_new_tokens: int = 256  # tokens of each answer
     draft_vocab: int = 6144  # draft vocabulary: the answer tokens seen most often
     intermediate_size: int = 1024  # the head's MLP width
@@ -147,7 +147,7 @@ def _cached_data(engine: Engine, config: EngineConfig, options: TrainOptions, la
     """The training data for these settings, from the model cache folder if an earlier run made it."""
     target = engine.runner.model
     key = json.dumps([weights_fingerprint(target, engine.weights), options.num_prompts, options.max_new_tokens,
-                      options.draft_vocab, options.seed, list(layers)])
+                      options.draft_vocab, options.seed, list(layers), SELF_WRITTEN_SHARE])
     path = model_cache_dir(config.model) / "draft-heads" / f"data-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
     if path.exists():
         logger.info("train-draft: training data from %s", path)

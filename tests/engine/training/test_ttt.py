@@ -3,7 +3,8 @@ its attention mask, the loss it learns from, what a head starts from, and the da
 import torch
 
 from engine.model.eagle3 import load_eagle3_head
-from engine.training.data import Sample, draft_vocabulary
+from engine.training import data
+from engine.training.data import Sample, draft_vocabulary, self_written_prompts, user_turn_prefix
 from engine.training.prompts import training_prompts
 from engine.training.train import default_layers, initial_head
 from engine.training.ttt import (
@@ -121,3 +122,46 @@ def test_the_draft_vocabulary_is_the_answer_tokens_seen_most_often():
 def test_training_prompts_are_distinct_and_seeded():
     prompts = training_prompts(600, seed=3)
     assert len(set(prompts)) == 600 and prompts == training_prompts(600, seed=3) != training_prompts(600, seed=4)
+
+
+def embedded_tokenizer():
+    from engine.config import ModelConfig
+    from engine.model.tokenizer import load_tokenizer
+
+    return load_tokenizer(ModelConfig(model=None))
+
+
+def test_the_user_turn_prefix_ends_where_a_users_message_begins():
+    from engine.calibration.prompts import chat_prompt_ids
+
+    tokenizer = embedded_tokenizer()
+    prefix = user_turn_prefix(tokenizer)
+    [rendered] = chat_prompt_ids(tokenizer, ("Plan a trip to Iceland.",))
+    assert rendered[:len(prefix)] == prefix
+    assert tokenizer.decode(rendered[len(prefix):]).startswith("Plan a trip to Iceland.")
+    assert tokenizer.decode(prefix).endswith("user\n")
+
+
+def test_self_written_prompts_keep_messages_the_model_ended_with_enough_words_once(monkeypatch):
+    tokenizer = embedded_tokenizer()
+    eos = tokenizer.eos_token_id
+    rounds = [
+        ["Can you plan a trip to Iceland?", "Too short.", "Can you plan a trip to Iceland?",
+         "This message never reaches its own end", "Explain how tides work, please."],
+        ["What should I cook for six friends tonight?"],
+    ]
+    calls = []
+
+    def scripted(engine, prompts, params):
+        calls.append((prompts, params))
+        texts = rounds[len(calls) - 1]
+        ended = [t != "This message never reaches its own end" for t in texts]
+        return [tokenizer.encode(t, add_special_tokens=False) + [eos] * e for t, e in zip(texts, ended)]
+
+    monkeypatch.setattr(data, "answers", scripted)
+    kept = self_written_prompts(object(), tokenizer, 3, seed=1)
+    assert kept == ["Can you plan a trip to Iceland?", "Explain how tides work, please.",
+                    "What should I cook for six friends tonight?"]
+    assert all(prompt == user_turn_prefix(tokenizer) for prompts, _ in calls for prompt in prompts)
+    seeds = [p.seed for _, params in calls for p in params]
+    assert len(set(seeds)) == len(seeds) and all(p.temperature == 1.0 for _, params in calls for p in params)
