@@ -294,7 +294,8 @@ class Engine:
         draft_seconds = 0.0
         if self.draft_forward:
             draft_seconds = time.perf_counter() - start
-            self.scheduler.observe_drafting_seconds(draft_seconds)
+            companion = self.companion_forward.take_forwards() if self.companion_forward else []
+            self.scheduler.observe_drafting_seconds(draft_seconds, self.draft_forward.take_forwards(), companion)
         self._add_cache_stats(update.stats)
         return draft_seconds
 

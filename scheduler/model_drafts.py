@@ -6,13 +6,17 @@ with the best expected goodput over the whole next step, since the draft's forwa
     goodput(d) = (E + B (1 + sum_{i<=d} P_i)) / (target(N + B (1 + d)) + d draft(B) + companion(B d))
 B: the requests about to draft with the model; P_i: the probability that the i-th drafted token is on the accepted
 path, averaged over them; target/draft/companion(n): a forward's latency over n tokens, the start-up profile plus the
-overhead real steps show (the target's StepOverhead, the draft's running mean per forward); N, E: the tokens the rest
-of the batch is expected to verify and yield. Where not even a draft the target always accepts would pay, drafting
-stays off unprobed. Otherwise d = 0 turns it off and a one-token probe runs once the steps off have cost 1/share times
-the probe, the share halving from EXPLORE_SHARE to MIN_EXPLORE_SHARE after each probe that leaves it off, so its
-acceptance keeps being measured; an off decision holds for the same batch until a probe or KEEP_OFF_STEPS. Drafted
-positions need KV slots (the draft model writes its KV there): the request's blocks grow to cover them as far as free
-blocks allow, and the next step's update gives back what is not accepted.
+overhead real steps show (the target's StepOverhead, the draft's running mean per forward, learnt against the forwards
+drafting really ran: a round's first forward also reads the tokens the model has not read yet, many after a stretch
+off); N, E: the tokens the rest of the batch is expected to verify and yield. The decision prices a round in its
+steady state, one token per request in each forward: what a stretch off leaves unread is read once whenever drafting
+resumes, and pricing it into every decision would keep drafting off for good (the unread tokens only grow). Where not
+even a draft the target always accepts would pay, drafting stays off unprobed. Otherwise d = 0 turns it off and a
+one-token probe runs once the steps off have cost 1/share times the probe, the share halving from EXPLORE_SHARE to
+MIN_EXPLORE_SHARE after each probe that leaves it off, so its acceptance keeps being measured; an off decision holds
+for the same batch until a probe or KEEP_OFF_STEPS. Drafted positions need KV slots (the draft model writes its KV
+there): the request's blocks grow to cover them as far as free blocks allow, and the next step's update gives back
+what is not accepted.
 """
 from __future__ import annotations
 
@@ -66,7 +70,6 @@ class ModelDraftBudget:
         self.draft_overhead_seconds = 0.0  # running mean of measured drafting time beyond the predicted, per forward
         self.steps_off = 0  # steps the planner kept drafting off since the last probe
         self.probes_off = 0  # probes since the planner last chose to draft
-        self._drafting = (0, 0)  # depth and batch of the drafting just reserved, until its time is observed
         self._off: tuple[tuple, str, int] | None = None  # (batch, NEVER or OFF, steps it still holds) decided last
 
     def reserve(
@@ -75,19 +78,20 @@ class ModelDraftBudget:
         """Per request id, how many tokens it drafts with SOURCE's model next; their KV blocks are reserved. BESIDE: the
         rest of the batch's decoding requests, with the drafts they have."""
         depth = self._depth(reqs, max_tokens, source, beside)
-        allowed = {
+        return {
             req.request_id: self._reserve(req, min(depth, draft_depth_limit(req, self.max_model_len))) for req in reqs
         }
-        drafting = [num_tokens for num_tokens in allowed.values() if num_tokens]
-        self._drafting = (max(drafting, default=0), len(drafting))
-        return allowed
 
-    def observe_drafting_seconds(self, seconds: float) -> None:
-        """The measured time of the drafting last reserved: the draft's overhead learns from it."""
-        (depth, batch), self._drafting = self._drafting, (0, 0)
-        if depth and self.draft_seconds is not None:
-            error = seconds - self._drafting_seconds(depth, batch)
-            self.draft_overhead_seconds += OVERHEAD_SMOOTHING * error / depth
+    def observe_drafting_seconds(
+        self, seconds: float, draft_forwards: Sequence[int], companion_forwards: Sequence[int] = (),
+    ) -> None:
+        """The measured SECONDS of a round of drafting whose draft-model forwards carried DRAFT_FORWARDS tokens each
+        (and the companion's COMPANION_FORWARDS): the draft's overhead per forward learns from it."""
+        if not draft_forwards or self.draft_seconds is None:
+            return
+        predicted = sum(map(self.draft_seconds, draft_forwards)) + sum(map(self.companion_seconds, companion_forwards))
+        error = seconds - predicted - len(draft_forwards) * self.draft_overhead_seconds
+        self.draft_overhead_seconds += OVERHEAD_SMOOTHING * error / len(draft_forwards)
 
     def _depth(
         self, reqs: list[Request], max_tokens: int, source: str, beside: Sequence[tuple[Request, Draft]]

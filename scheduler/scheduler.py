@@ -111,9 +111,11 @@ class Scheduler:
         drafts (scheduler/model_drafts.py)."""
         return self.model_drafts.reserve(reqs, max_tokens, source, beside)
 
-    def observe_drafting_seconds(self, seconds: float) -> None:
-        """What the model drafting last reserved took, measured."""
-        self.model_drafts.observe_drafting_seconds(seconds)
+    def observe_drafting_seconds(
+        self, seconds: float, draft_forwards: Sequence[int], companion_forwards: Sequence[int] = (),
+    ) -> None:
+        """What a round of model drafting took, measured, and the tokens each of its forwards carried."""
+        self.model_drafts.observe_drafting_seconds(seconds, draft_forwards, companion_forwards)
 
     def drafting(self, reqs: list[Request]) -> list[Request]:
         """Of the decoding REQS, those that propose a draft for the next step; the others rest (their drafts

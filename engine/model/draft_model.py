@@ -166,6 +166,15 @@ class DraftForward:
         self.blocks = blocks
         self.latency_profile = latency_profile  # seconds of a forward by tokens, profiled at start-up
         self.reserve = reserve
+        self.forwards: list[int] = []  # tokens of each forward run since `take_forwards` last took them
+
+    def take_forwards(self) -> list[int]:
+        """The tokens each forward carried since the last call: what the scheduler prices the measured drafting by."""
+        forwards, self.forwards = self.forwards, []
+        return forwards
+
+    def _count(self, chains: list[tuple[str, list[int], int]]) -> None:
+        self.forwards.append(sum(len(token_ids) for _, token_ids, _ in chains))
 
     def __call__(
         self, chains: list[tuple[str, list[int], int]], num_logits: list[int] | None = None
@@ -173,6 +182,7 @@ class DraftForward:
         """(request id, token ids, position of the first) per request -> per chain [num_logits, vocab] float32 logits
         at its last NUM_LOGITS tokens (one each by default). A chain's KV is written at its positions' slots; it
         attends to every position before it."""
+        self._count(chains)
         items = [
             chain_item(token_ids, start, self.blocks.block_tables[request_id], self.blocks.block_size, rows)
             for (request_id, token_ids, start), rows in zip(chains, num_logits or [1] * len(chains))
@@ -231,6 +241,7 @@ class HeadForward(DraftForward):
         """Chains as `__call__` takes them, FEATURES [len(tokens), hidden] what each chain's tokens read -> per chain
         [1, draft vocab] logits at its last token, and [hidden] the head's output there: through the head's lean
         layer where it runs (engine/model/head_layout.py), else through the packed runner."""
+        self._count(chains)
         if self.layout is not None:
             return self._run_lean(chains, features)
         items = []

@@ -143,10 +143,21 @@ def test_the_drafts_real_cost_is_learnt_from_measured_drafting_time():
         depths.append(model_drafts.reserve([req], 5, "draft")["a"])
         blocks.free("a")
         blocks.grow("a", 6)
-        model_drafts.observe_drafting_seconds(0.2 * depths[-1])
+        model_drafts.observe_drafting_seconds(0.2 * depths[-1], [1] * depths[-1])
     assert depths[0] == 5 and depths[-1] == 0
     assert 0.1 < model_drafts.draft_overhead_seconds < 0.2
     learnt = model_drafts.draft_overhead_seconds
     model_drafts.reserve([], 5, "draft")  # every request copied: the time measured was not the draft model's
-    model_drafts.observe_drafting_seconds(0.01)
+    model_drafts.observe_drafting_seconds(0.01, [])
     assert model_drafts.draft_overhead_seconds == learnt
+
+
+def test_a_round_that_reads_many_unread_tokens_first_is_priced_by_them_and_teaches_no_overhead():
+    # after a stretch off, the round's first forward reads 150 tokens the model had not read, then drafts 2 more
+    blocks = KVBlockManager(num_blocks=8, block_size=4)
+    draft = linear(0.0001, 0.001)
+    model_drafts = ModelDraftBudget(TreeAcceptance(0.9, 1e6), blocks, 1024, linear(0.001, 0.1), draft)
+    model_drafts.observe_drafting_seconds(draft(150) + 2 * draft(1), [150, 1, 1])
+    assert abs(model_drafts.draft_overhead_seconds) < 1e-12
+    model_drafts.observe_drafting_seconds(draft(150) + 2 * draft(1) + 0.003, [150, 1, 1])
+    assert 0 < model_drafts.draft_overhead_seconds <= 0.1 * 0.001 + 1e-12  # 1 ms over three forwards, smoothed

@@ -81,6 +81,20 @@ def test_copy_first_asks_the_scheduler_for_model_drafts_only_for_requests_copysp
         assert beside_ids == copied_ids  # ...but weighs against it: the model's forwards delay it too
 
 
+def test_the_scheduler_is_told_the_tokens_each_draft_forward_carried(tiny_model_dir, tiny_draft_model_dir):
+    # a round's first forward reads what the draft model has not read (the whole prompt, at the first round): priced
+    # by those tokens, a long one does not teach the scheduler that every draft forward is slow
+    engine = draft_engine(tiny_model_dir, tiny_draft_model_dir)
+    seen, observe = [], engine.scheduler.observe_drafting_seconds
+    engine.scheduler.observe_drafting_seconds = lambda seconds, forwards, companion=(): (
+        seen.append(list(forwards)) or observe(seconds, forwards, companion))
+    prompt = prompts(1, seed=3)[0]
+    run_to_completion(engine, [prompt], [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)])
+    rounds = [forwards for forwards in seen if forwards]
+    assert len(rounds) > 1 and rounds[0] == [len(prompt) + 1, 1, 1, 1]
+    assert all(forwards[0] >= 1 and forwards[1:] == [1] * (len(forwards) - 1) for forwards in rounds[1:])
+
+
 def test_an_early_exit_shares_the_targets_weights_and_kv_pool(tiny_model_dir):
     engine = draft_engine(tiny_model_dir, "early-exit:1")
     draft, target = engine.draft_forward.runner, engine.runner
