@@ -12,6 +12,12 @@ Drafted tokens' entries read the head's states, not the target's: when the targe
 computes them again with the target's (as vLLM does), so the head's KV only ever holds real tokens read with the
 target's states. A state the head needs and does not have (a session resumed past where its states were kept) reads
 zeros, which can cost acceptance, never exactness.
+
+A greedy request's draft is a tree (EAGLE-2's top-k expansion, one level deep at each position): beside each drafted
+token the head's next SIBLINGS most likely tokens hang off the same parent as leaves. They come from the logits the
+chain's forward computed anyway, so they cost the head nothing; the planner verifies those whose acceptance at their
+depth and rank (scheduler/acceptance.py) pays for their rows. A sampled request drafts a chain: its tokens are draws
+from q, and the verifier's min(1, p/q) rule is a chain's.
 """
 from __future__ import annotations
 
@@ -20,8 +26,12 @@ from typing import Sequence
 
 import torch
 
-from drafters.base import CaptureSpec, Computed, DraftableRequest, common_prefix_len
+from drafters.base import CaptureSpec, Computed, Draft, DraftableRequest, common_prefix_len
 from drafters.model_draft import ModelDrafter
+
+# the head's next most likely tokens offered beside each token a greedy request drafts (EAGLE-2 expands its top 8-10
+# at the GPU's almost free rows; on a CPU a verified row costs ~8 % of a step, so only the likeliest few can pay)
+SIBLINGS = 2
 
 
 @dataclass
@@ -80,6 +90,7 @@ class HeadDrafter(ModelDrafter):
         super().__init__(forward, max_tokens)
         self.captures: CaptureSpec = forward.captures
         self._kv: dict[str, HeadKV] = {}
+        self._siblings: dict[str, list[list[int]]] = {}  # per request drafting this round, per drafted token
 
     def begin(self, req: DraftableRequest, state: object | None = None) -> None:
         """A session's next turn keeps what the head computed of the prefix it shares with the history and whose KV
@@ -119,6 +130,7 @@ class HeadDrafter(ModelDrafter):
         the whole round); each next one a drafted token with the head's output before it."""
         drafted: dict[str, list[int]] = {req.request_id: [] for req in drafting}
         probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req in drafting}
+        self._siblings = {}
         chains, states = zip(*map(self._catch_up, drafting)) if drafting else ((), ())
         features = self.forward.fuse(torch.cat(states)).split([len(s) for s in states]) if states else ()
         while chains:
@@ -135,10 +147,25 @@ class HeadDrafter(ModelDrafter):
 
     def _draw(self, req: DraftableRequest, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """As a draft model draws from LOGITS [draft vocab], widened to the target's vocabulary only where q is
-        asked: a greedy request without a companion takes the draft argmax's target id."""
+        asked: a greedy request without a companion takes the draft argmax's target id, and keeps the next SIBLINGS
+        as its siblings."""
         if req.sampling.greedy and not self.companion:
-            return int(self.forward.target_ids[int(logits.argmax())]), None
+            token, *siblings = self.forward.target_ids[logits.topk(min(1 + SIBLINGS, len(logits))).indices].tolist()
+            self._siblings.setdefault(req.request_id, []).append(siblings)
+            return token, None
         return super()._draw(req, self.forward.target_logits(logits))
+
+    def _as_draft(self, req: DraftableRequest, token_ids: list[int], acceptance: list[float] | None) -> Draft:
+        """The chain TOKEN_IDS with each token's siblings beside it (parents first), where the request kept any."""
+        siblings = self._siblings.get(req.request_id)
+        if not siblings or acceptance is not None:
+            return super()._as_draft(req, token_ids, acceptance)
+        tree, parents, parent = [], [], -1
+        for token, others in zip(token_ids, siblings):
+            tree += [token, *others]
+            parents += [parent] * (1 + len(others))
+            parent = len(tree) - 1 - len(others)
+        return Draft(tree, self.name, parents)
 
     def _catch_up(self, req: DraftableRequest) -> tuple[tuple[str, list[int], int], torch.Tensor]:
         """The chain of the request's tokens the head has not read, and the target's states they read (unfused)."""

@@ -126,7 +126,11 @@ class ModelDrafter(DrafterBase):
         for req in reqs:
             self._keep(req, drafted.get(req.request_id, []), probs.get(req.request_id))
         acceptance = self._companion_estimates([req for req in reqs if drafted.get(req.request_id)])
-        return [Draft(drafted.get(r.request_id, []), self.name, acceptance=acceptance.get(r.request_id)) for r in reqs]
+        return [self._as_draft(r, drafted.get(r.request_id, []), acceptance.get(r.request_id)) for r in reqs]
+
+    def _as_draft(self, req: DraftableRequest, token_ids: list[int], acceptance: list[float] | None) -> Draft:
+        """The draft of the request's drafted chain TOKEN_IDS."""
+        return Draft(token_ids, self.name, acceptance=acceptance)
 
     def _draft(
         self, drafting: list[DraftableRequest], budgets: dict[str, int],

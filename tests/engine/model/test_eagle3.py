@@ -6,7 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from drafters.base import Draft
 from drafters.config import SpecConfig
+from drafters.head_draft import SIBLINGS
+from drafters.tree import chain_parents, sibling_ranks
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model.cpu_kernels import fused_ops_available
@@ -47,20 +50,48 @@ def test_greedy_output_with_a_head_equals_plain_decoding(plain, tiny_model_dir, 
     assert sum(o.spec.num_draft_tokens for o in outputs.values()) > 0, "the head must have drafted"
 
 
-def test_a_head_drafts_only_tokens_of_its_draft_vocabulary(tiny_model_dir, tiny_head_dir):
-    engine = draft_engine(tiny_model_dir, tiny_head_dir)
-    drafted = []
-    propose = engine.speculation.drafter.propose
+def recorded_drafts(engine: Engine) -> list[Draft]:
+    """Every non-empty draft ENGINE's drafter proposes from now on, in order."""
+    drafts, propose = [], engine.speculation.drafter.propose
 
     def keep(reqs):
-        drafts = propose(reqs)
-        drafted.extend(t for draft in drafts for t in draft.token_ids)
-        return drafts
+        proposed = propose(reqs)
+        drafts.extend(draft for draft in proposed if len(draft))
+        return proposed
 
     engine.speculation.drafter.propose = keep
+    return drafts
+
+
+def test_a_head_drafts_only_tokens_of_its_draft_vocabulary(tiny_model_dir, tiny_head_dir):
+    engine = draft_engine(tiny_model_dir, tiny_head_dir)
+    drafts = recorded_drafts(engine)
     run_to_completion(engine, prompts(3, seed=9), [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True,
                                                                    seed=1)] * 3)
+    drafted = [token for draft in drafts for token in draft.token_ids]
     assert drafted and all(token % 2 == 0 for token in drafted)  # the tiny head's draft ids map to even token ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_greedy_requests_head_draft_is_its_chain_with_the_next_likeliest_tokens_beside_each(
+    tiny_model_dir, tiny_head_dir, temperature,
+):
+    engine = draft_engine(tiny_model_dir, tiny_head_dir)
+    drafts = recorded_drafts(engine)
+    run_to_completion(engine, prompts(3, seed=9), [SamplingParams(temperature=temperature, max_tokens=20,
+                                                                   ignore_eos=True, seed=1)] * 3)
+    assert drafts
+    for draft in drafts:
+        if temperature:  # a sampled request's tokens are draws from q: verified as a chain
+            assert draft.parents == chain_parents(len(draft))
+            continue
+        chain = [node for node, rank in enumerate(sibling_ranks(draft.parents)) if rank == 0]
+        assert len(draft) == (1 + SIBLINGS) * len(chain)
+        assert [draft.parents[node] for node in chain] == [-1, *chain[:-1]]  # the chain runs through the first children
+        for node in chain:
+            beside = [n for n, parent in enumerate(draft.parents) if parent == draft.parents[node]]
+            assert len({draft.token_ids[n] for n in beside}) == 1 + SIBLINGS  # distinct, all of the draft vocabulary
+            assert all(draft.token_ids[n] % 2 == 0 for n in beside)
 
 
 def test_the_head_reads_the_targets_states_as_a_first_forward_over_the_unread_tokens(tiny_model_dir, tiny_head_dir):
