@@ -12,11 +12,12 @@ off); N, E: the tokens the rest of the batch is expected to verify and yield. Th
 steady state, one token per request in each forward: what a stretch off leaves unread is read once whenever drafting
 resumes, and pricing it into every decision would keep drafting off for good (the unread tokens only grow). Where not
 even a draft the target always accepts would pay, drafting stays off unprobed. Otherwise d = 0 turns it off and a
-one-token probe runs once the steps off have cost 1/share times the probe, the share halving from EXPLORE_SHARE to
-MIN_EXPLORE_SHARE after each probe that leaves it off, so its acceptance keeps being measured; an off decision holds
-for the same batch until a probe or KEEP_OFF_STEPS. Drafted positions need KV slots (the draft model writes its KV
-there): the request's blocks grow to cover them as far as free blocks allow, and the next step's update gives back
-what is not accepted.
+one-token probe runs once the steps off have cost 1/share times the probe (priced at what the last probe took, where
+that is more than a steady round: a probe first reads what the model missed while off, hundreds of tokens at a batch
+of 16), the share halving from EXPLORE_SHARE to MIN_EXPLORE_SHARE after each probe that leaves it off, so its
+acceptance keeps being measured; an off decision holds for the same batch until a probe or KEEP_OFF_STEPS. Drafted
+positions need KV slots (the draft model writes its KV there): the request's blocks grow to cover them as far as free
+blocks allow, and the next step's update gives back what is not accepted.
 """
 from __future__ import annotations
 
@@ -70,6 +71,10 @@ class ModelDraftBudget:
         self.draft_overhead_seconds = 0.0  # running mean of measured drafting time beyond the predicted, per forward
         self.steps_off = 0  # steps the planner kept drafting off since the last probe
         self.probes_off = 0  # probes since the planner last chose to draft
+        # what the last probe took, measured: its first forward read what the model missed while off, so it costs
+        # more than a steady round, the more the longer drafting was off; the next probe is budgeted at it
+        self.probe_seconds = 0.0
+        self._probing = False  # the drafting just reserved is a probe
         self._off: tuple[tuple, str, int] | None = None  # (batch, NEVER or OFF, steps it still holds) decided last
 
     def reserve(
@@ -87,6 +92,8 @@ class ModelDraftBudget:
     ) -> None:
         """The measured SECONDS of a round of drafting whose draft-model forwards carried DRAFT_FORWARDS tokens each
         (and the companion's COMPANION_FORWARDS): the draft's overhead per forward learns from it."""
+        if self._probing:
+            self.probe_seconds, self._probing = seconds, False
         if not draft_forwards or self.draft_seconds is None:
             return
         predicted = sum(map(self.draft_seconds, draft_forwards)) + sum(map(self.companion_seconds, companion_forwards))
@@ -106,13 +113,14 @@ class ModelDraftBudget:
             decision, depth = self._decide(reqs, max_tokens, source, rest_tokens, rest_expected, step_seconds)
             if decision == DRAFT:
                 self.steps_off = self.probes_off = 0
+                self.probe_seconds = 0.0
                 return depth
             self._off = (_batch_key(reqs, beside), decision, KEEP_OFF_STEPS)
         if decision == NEVER:
             return 0
-        depth = self._probe_depth(step_seconds(0), self._drafting_seconds(1, batch))
+        depth = self._probe_depth(step_seconds(0), max(self._drafting_seconds(1, batch), self.probe_seconds))
         if depth:
-            self._off = None  # the probe's outcome changes the estimates: decide afresh after it
+            self._off, self._probing = None, True  # the probe's outcome changes the estimates: decide afresh after it
         return depth
 
     def _decide(

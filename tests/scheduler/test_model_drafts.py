@@ -91,6 +91,21 @@ def test_the_planner_turns_a_useless_draft_model_off_but_keeps_measuring_it_less
     assert model_drafts.reserve([req], 5, "draft")["a"] > 0
 
 
+def test_a_probe_is_budgeted_at_what_the_last_one_took():
+    # a probe's first forward reads every token the model missed while off: measured at four steady rounds, the next
+    # probe waits four times as long (200 steps at the halved share, not 50)
+    model_drafts, blocks = budget(planned=True, rate=0.05)
+    req = decoding_request("a", 6, blocks)
+    gaps = []
+    for _ in range(2):
+        depths = [model_drafts.reserve([req], 5, "draft")["a"]]
+        while not depths[-1]:
+            depths.append(model_drafts.reserve([req], 5, "draft")["a"])
+        gaps.append(len(depths))
+        model_drafts.observe_drafting_seconds(4 * 0.0505, [20])
+    assert gaps == [round(0.5 / EXPLORE_SHARE), round(4 * 0.5 / (EXPLORE_SHARE / 2))]
+
+
 def test_an_off_decision_holds_for_its_batch_until_a_probe_or_its_steps_run_out():
     model_drafts, blocks = budget(planned=True, rate=0.05)
     estimates = []
