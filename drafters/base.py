@@ -57,10 +57,19 @@ class CaptureSpec:
     # the residual stream after each of these many decoder layers (transformers' hidden_states indices), concatenated
     hidden_layers: tuple[int, ...] = ()
     attention_heads: tuple[tuple[int, int], ...] = ()  # (layer, head) pairs whose attention rows it reads
+    # whether a prompt prefix served from the KV cache may go unseen: the drafter then lacks its captures there (a
+    # head reads zeros for them, which can cost acceptance, never exactness); otherwise the prefix is computed again
+    # (PLD+ ranks every prompt position by them)
+    skips_cached_prefix: bool = False
 
     @property
     def wants_any(self) -> bool:
         return bool(self.hidden_layers) or bool(self.attention_heads)
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Whether every prompt position must be computed for the drafter, a cached prefix included."""
+        return self.wants_any and not self.skips_cached_prefix
 
 
 @dataclass

@@ -10,8 +10,8 @@ step, or a whole prompt), whose last output drafts the first token.
 
 Drafted tokens' entries read the head's states, not the target's: when the target accepts them, the next round
 computes them again with the target's (as vLLM does), so the head's KV only ever holds real tokens read with the
-target's states. A state the head needs and does not have (a session resumed past where its states were kept) reads
-zeros, which can cost acceptance, never exactness.
+target's states. A state the head needs and does not have (a session resumed past where its states were kept, a prompt
+prefix served from the KV cache) reads zeros, which can cost acceptance, never exactness.
 
 A greedy request's draft is a tree (EAGLE-2's top-k expansion, one level deep at each position): beside each drafted
 token the head's next SIBLINGS most likely tokens hang off the same parent as leaves. They come from the logits the

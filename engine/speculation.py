@@ -84,8 +84,8 @@ class Speculation:
 
     @property
     def needs_every_position(self) -> bool:
-        """Whether the drafter reads what the target computed at each position (hidden states, attention)."""
-        return self.captures.wants_any
+        """Whether the drafter reads what the target computed at every prompt position, a cached prefix included."""
+        return self.captures.needs_every_position
 
     def state_bytes(self) -> int:
         """Host memory of drafter states: the live requests' and the cached sessions'."""

@@ -117,6 +117,23 @@ def test_the_head_reads_the_targets_states_as_a_first_forward_over_the_unread_to
     assert all(all(reads) for _, _, reads in catch_ups[1:])
 
 
+def test_a_prompt_prefix_the_cache_serves_is_not_computed_again_for_the_head(plain, tiny_model_dir, tiny_head_dir):
+    """Prompts opening with a prefix an earlier request computed read it from the KV cache, the head reading zeros
+    for its states there (one of them may resume the earlier request's drafter state, the others start without),
+    and greedy output stays plain decoding's."""
+    engine = Engine(EngineConfig(
+        model=ModelConfig(model=tiny_model_dir, device="cpu", draft_model=tiny_head_dir),
+        cache=CacheConfig(SMALL_POOL), scheduler=SchedulerConfig(max_num_seqs=8, use_goodput_planner=False),
+        spec=SpecConfig(drafter="draft", num_draft_tokens=4), sessions=SessionConfig(mode="implicit"),
+    ))
+    opening = prompts(1, seed=11)[0][:40]
+    run_to_completion(engine, [opening], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)])
+    batch = [opening + tail[1:] for tail in prompts(3, seed=12)]
+    outputs = assert_greedy_outputs_equal(plain, engine, batch, max_tokens=16)
+    assert all(output.num_cached_tokens >= 32 for output in outputs.values())  # the opening's two full blocks
+    assert sum(output.spec.num_draft_tokens for output in outputs.values()) > 0
+
+
 def test_a_head_the_target_cannot_feed_is_refused(tiny_model_dir, tiny_head_dir, tmp_path):
     with open(f"{tiny_head_dir}/config.json") as file:
         config = json.load(file)
