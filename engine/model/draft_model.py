@@ -228,8 +228,8 @@ class HeadForward(DraftForward):
     @property
     def captures(self) -> CaptureSpec:
         """What the target's forward keeps for the head: its three layers' states, where the target computes them (a
-        prompt prefix served from the KV cache is read with zeros: recomputing it for the head cost 4 % of a batch of
-        16 MT-Bench prompts sharing their template's opening)."""
+        prompt prefix served from the KV cache is read with zeros: computing it again for the head would cost a batch
+        of 16 MT-Bench prompts, which share their template's opening, 4 % of its time)."""
         return CaptureSpec(hidden_layers=self.target_layers, skips_cached_prefix=True)
 
     @torch.inference_mode()

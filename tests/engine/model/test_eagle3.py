@@ -128,10 +128,22 @@ def test_a_prompt_prefix_the_cache_serves_is_not_computed_again_for_the_head(pla
     ))
     opening = prompts(1, seed=11)[0][:40]
     run_to_completion(engine, [opening], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)])
+    forward, first_reads = engine.speculation.drafter.forward, []
+    run = forward.run
+
+    def record(chains, features):
+        first_reads.extend(f.abs().sum(-1).gt(0).tolist() for (_, tokens, start), f in zip(chains, features)
+                           if start == 0 and len(tokens) > 1)  # a request's first catch-up, from position 0
+        return run(chains, features)
+
+    forward.run = record
     batch = [opening + tail[1:] for tail in prompts(3, seed=12)]
     outputs = assert_greedy_outputs_equal(plain, engine, batch, max_tokens=16)
     assert all(output.num_cached_tokens >= 32 for output in outputs.values())  # the opening's two full blocks
     assert sum(output.spec.num_draft_tokens for output in outputs.values()) > 0
+    assert first_reads
+    for reads in first_reads:  # the entry at p reads the state at p - 1: none for the 32 cached positions
+        assert reads[:33] == [False] * 33 and all(reads[33:])
 
 
 def test_a_head_the_target_cannot_feed_is_refused(tiny_model_dir, tiny_head_dir, tmp_path):
