@@ -24,6 +24,9 @@ CALIBRATION_FORMAT = 1
 FINGERPRINT_STRIDE = 97  # every 97th row of the token embedding enters the fingerprint
 S_BINS, A_BINS = 20, 10
 SHRINK_WEIGHT = 10.0  # a cell's estimate counts the table mean as this many observations
+# what `specserve calibrate corpus` makes, numbered: raised whenever its defaults change what a corpus holds, so that a
+# corpus made before is named at start-up (1: the model n-grams from 1000 training prompts answered at T = 1)
+CORPUS_RECIPE = 1
 
 
 def default_cache_dir() -> Path:
@@ -149,6 +152,12 @@ class SpectraCorpus:
     sources: dict[str, int]  # source -> documents kept from it
     command: str = ""
     model_ngrams: list[list[float]] = field(default_factory=list)
+    recipe: int = 0  # the CORPUS_RECIPE that made it (0: one made before recipes were numbered)
+
+    @property
+    def is_outdated(self) -> bool:
+        """Whether an earlier recipe made it: `specserve calibrate corpus` again makes today's."""
+        return self.recipe < CORPUS_RECIPE
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,7 @@
 models the engine lends its drafter, and the calibration artifacts found for them (engine/artifacts.py)."""
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 from drafters.base import DrafterContext
 from drafters.model_ngrams import ModelNgrams
 from engine.artifacts import (
+    CORPUS_RECIPE,
     PldPlusCalibration,
     SpectraCorpus,
     calibration_path,
@@ -27,6 +29,8 @@ from engine.model.model_loader import LoadedModel
 from engine.model.packed_runner import PackedModelRunner
 from engine.model.paged_attention import PagedKVPool, kv_shape
 
+logger = logging.getLogger("specserve.engine")
+
 SINGLE_TOKEN_BATCH = 256  # bare tokens per forward of `next_token_logits`, and slots of its scratch pool
 
 
@@ -38,7 +42,7 @@ def drafter_context(
     model_config = loaded.model.config
     fingerprint = weights_fingerprint(loaded.model, loaded.weights)
     cache_dir = model_cache_dir(config)
-    corpus = SpectraCorpus.load(corpus_path(cache_dir, fingerprint))
+    corpus = load_corpus(corpus_path(cache_dir, fingerprint))
     sv_tables = {}
     if draft_forward and companion_forward:
         sv_tables = load_sv_tables(cache_dir, sv_fingerprints(fingerprint, draft_forward, companion_forward))
@@ -55,6 +59,16 @@ def drafter_context(
         spectra_corpus=corpus.documents if corpus else None,
         model_ngrams=ModelNgrams.from_json(corpus.model_ngrams) if corpus and corpus.model_ngrams else None,
     )
+
+
+def load_corpus(path: Path) -> SpectraCorpus | None:
+    """The SPECTRA corpus at PATH, if calibrated; one an earlier recipe made is served and named."""
+    corpus = SpectraCorpus.load(path)
+    if corpus is not None and corpus.is_outdated:
+        logger.warning("the SPECTRA corpus %s was made by an earlier recipe of `specserve calibrate corpus` (%d; "
+                       "today's is %d): it is served as it is; calibrating again makes today's", path, corpus.recipe,
+                       CORPUS_RECIPE)
+    return corpus
 
 
 def model_cache_dir(config: ModelConfig) -> Path:

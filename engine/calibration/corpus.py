@@ -31,7 +31,7 @@ import torch
 
 from drafters.model_ngrams import ModelNgrams
 from drafters.retrieval import BYTES_PER_TOKEN
-from engine.artifacts import SpectraCorpus, corpus_path, weights_fingerprint
+from engine.artifacts import CORPUS_RECIPE, SpectraCorpus, corpus_path, weights_fingerprint
 from engine.calibration.answers import answers, plain_attention
 from engine.calibration.options import CalibrationOptions
 from engine.calibration.prompts import CALIBRATION_PROMPTS, CHAT_PROMPTS, CORPUS_PROMPTS, chat_prompt_ids
@@ -139,7 +139,8 @@ def build_corpus(config: EngineConfig, options: CalibrationOptions) -> None:
     sources = {source: sum(s.source == source for s in chosen) for source in ("answers", "code")}
     table = ModelNgrams.from_predictions(((s.token_ids, s.predicted, s.confidence) for s in samples + sampled),
                                          max_bytes=options.model_ngrams_mib * 2**20)
-    corpus = SpectraCorpus([s.token_ids for s in chosen], cutoff, sources, options.command, table.to_json())
+    corpus = SpectraCorpus([s.token_ids for s in chosen], cutoff, sources, options.command, table.to_json(),
+                           CORPUS_RECIPE)
     path = corpus_path(model_cache_dir(config.model), weights_fingerprint(model, engine.weights))
     corpus.save(path)
     print(f"SPECTRA corpus: {len(chosen)} of {len(samples)} samples ({sources}), "

@@ -1,5 +1,7 @@
 """SPECTRA's retrieval corpus: perplexity under the served model, the lowest kept per source within the byte bound,
 the model's predictions for its table of next tokens, and the artifact the drafter loads."""
+import json
+import logging
 import math
 
 import pytest
@@ -7,8 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from drafters.retrieval import BYTES_PER_TOKEN
-from engine.artifacts import SpectraCorpus, corpus_path
+from engine.artifacts import CORPUS_RECIPE, SpectraCorpus, corpus_path
 from engine.calibration.corpus import Sample, score, select
+from engine.drafter_context import load_corpus
 
 
 def perplexity(model, context: list[int], token_ids: list[int]) -> float:
@@ -83,11 +86,26 @@ def test_the_model_ngrams_travel_in_the_corpus_artifact_to_spectra(tmp_path):
 
 
 def test_a_corpus_made_before_the_model_ngrams_loads_without_them(tmp_path):
-    import json
-
     path = corpus_path(tmp_path, "fp")
     SpectraCorpus([[3, 4, 5, 6]], 2.5, {"code": 1}).save(path)
     data = json.loads(path.read_text())
     del data["model_ngrams"]
     path.write_text(json.dumps(data))
     assert SpectraCorpus.load(path).model_ngrams == []
+
+
+def test_a_corpus_an_earlier_recipe_made_is_served_and_named_at_start_up(tmp_path, caplog):
+    path = corpus_path(tmp_path, "fp")
+    SpectraCorpus([[3, 4, 5, 6]], 2.5, {"code": 1}).save(path)
+    data = json.loads(path.read_text())
+    del data["recipe"]  # as the calibration wrote it before recipes were numbered
+    path.write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING, logger="specserve.engine"):
+        corpus = load_corpus(path)
+    assert corpus.documents == [[3, 4, 5, 6]] and corpus.recipe == 0 and corpus.is_outdated
+    assert "earlier recipe" in caplog.text and str(path) in caplog.text
+    caplog.clear()
+    SpectraCorpus([[3, 4, 5, 6]], 2.5, {"code": 1}, recipe=CORPUS_RECIPE).save(path)
+    with caplog.at_level(logging.WARNING, logger="specserve.engine"):
+        assert not load_corpus(path).is_outdated
+    assert not caplog.text
