@@ -67,6 +67,7 @@ class PackedModelRunner:
         self.in_place_min_context = in_place_min_context
         self.heads_per_kv_head = model.config.num_attention_heads // model.config.num_key_value_heads
         self._hidden_hooks: set[int] = set()  # layers whose output a hook can keep (transformers' forward)
+        self._hidden_layers_checked: set[tuple[int, ...]] = set()  # capture layer tuples found valid (and hooked)
         self.decoder = LeanDecoder(model) if supports(model) else None  # else transformers' forward
         self.narrowest_window = _narrowest_window(self.decoder, model)
         self.graphs: CudaGraphs | None = None  # captured by capture_graphs
@@ -215,12 +216,7 @@ class PackedModelRunner:
         if capture.hidden_layers:
             hidden_rows = [m.query_start + row for item, m in zip(batch.items, members) for row in item.hidden_rows]
             if hidden_rows:
-                num_layers = self.model.config.num_hidden_layers
-                if not all(1 <= layer <= num_layers for layer in capture.hidden_layers):
-                    raise ValueError(f"hidden-state captures need layers in [1, {num_layers}]")
-                if self.decoder is None:  # the lean decoder keeps them itself
-                    for layer in capture.hidden_layers:
-                        self._ensure_hidden_hook(layer)
+                self._check_hidden_layers(capture.hidden_layers)
                 packed.hidden_layers, packed.hidden_index = capture.hidden_layers, self._tensor(hidden_rows)
         for layer, head in capture.attention_heads:
             packed.capture_heads.setdefault(layer, []).append(head)
@@ -229,6 +225,19 @@ class PackedModelRunner:
                 self._attention_capture(i, item, member)
                 for i, (item, member) in enumerate(zip(batch.items, members)) if item.attention_rows
             ]
+
+    def _check_hidden_layers(self, layers: tuple[int, ...]) -> None:
+        """Refuse capture layers the model lacks and hook those transformers' forward must keep; once per tuple (a
+        drafter asks for the same layers every step)."""
+        if layers in self._hidden_layers_checked:
+            return
+        num_layers = self.model.config.num_hidden_layers
+        if not all(1 <= layer <= num_layers for layer in layers):
+            raise ValueError(f"hidden-state captures need layers in [1, {num_layers}]")
+        if self.decoder is None:  # the lean decoder keeps them itself
+            for layer in layers:
+                self._ensure_hidden_hook(layer)
+        self._hidden_layers_checked.add(layers)
 
     def _attention_capture(self, index: int, item: ForwardItem, member: GroupMember) -> AttentionCapture:
         num_blocks = -(-item.context_len // self.block_size)

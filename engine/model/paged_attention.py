@@ -169,7 +169,7 @@ class PackedBatch:
         """Keep the asked rows of HIDDEN [total, hidden_size], the residual stream after NUM_LAYERS_DONE layers, if
         that is a capture layer."""
         if self.hidden_index is not None and num_layers_done in self.hidden_layers:
-            self.captured_hidden[num_layers_done] = hidden[self.hidden_index].float().cpu()
+            self.captured_hidden[num_layers_done] = hidden.index_select(0, self.hidden_index).float().cpu()
 
     def hidden_states(self) -> torch.Tensor | None:
         """[n, hidden_size * capture layers] the kept rows, the layers concatenated in the order asked."""

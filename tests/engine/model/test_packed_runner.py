@@ -206,6 +206,18 @@ def test_captures_return_the_hidden_states_and_attention_rows_of_a_plain_forward
     torch.testing.assert_close(sibling[:, 9], expected[:, 8], rtol=1e-4, atol=1e-5)
 
 
+def test_a_capture_of_a_layer_the_model_lacks_is_refused_whenever_it_is_asked(models):
+    _, runner = models
+    blocks = KVBlockManager(num_blocks=32, block_size=BLOCK_SIZE)
+    item = chain_item([1, 5, 9], 0, blocks.grow("s", 3), BLOCK_SIZE)
+    item.hidden_rows = [2]
+    runner.execute(ForwardBatch([item], CaptureSpec(hidden_layers=(1, 2))))  # the tiny model's two layers: served
+    num_layers = runner.model.config.num_hidden_layers
+    for layers in ((1, num_layers + 1), (0,)):
+        with pytest.raises(ValueError, match="captures need layers"):
+            runner.execute(ForwardBatch([item], CaptureSpec(hidden_layers=layers)))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash-attn backend needs a CUDA device")
 def test_flash_backend_matches_sdpa_on_cuda_with_a_tree_in_the_batch(tiny_model_dir):
