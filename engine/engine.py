@@ -97,7 +97,8 @@ class Engine:
         )
         profile = profile_forward_latency(runner, blocks, self.vocab_size, self.max_model_len)
         if isinstance(draft.model, Eagle3Head):
-            return HeadForward(draft, runner, blocks, profile, loaded.model.config, reserve)
+            return HeadForward(draft, runner, blocks, profile, loaded.model.config, reserve,
+                               lambda probabilities: self.scheduler.chains_continuing(probabilities))
         return DraftForward(draft, runner, blocks, profile, reserve)
 
     def ready_message(self) -> EngineReady:
@@ -302,7 +303,8 @@ class Engine:
     def _reserve_model_drafts(self, reqs: list[Request], beside: list[tuple[Request, Draft]]) -> dict[str, int]:
         """For the requests about to draft with the draft model, how many tokens each may draft (their blocks reserved),
         beside the rest of the batch's drafts."""
-        return self.scheduler.reserve_model_drafts(reqs, self.num_draft_tokens, "draft", beside)
+        return self.scheduler.reserve_model_drafts(reqs, self.num_draft_tokens, "draft", beside,
+                                                   knows_acceptance=self.draft_forward.is_head)
 
     def _grammatical(self, reqs: list[Request], drafts: list[Draft]) -> list[Draft]:
         """Drafts cut to what each request's grammar allows, so that forbidden tokens are never verified."""

@@ -15,12 +15,22 @@ even a draft the target always accepts would pay, drafting stays off unprobed. O
 one-token probe runs once the steps off have cost 1/share times the probe (priced at what the last probe took, where
 that is more than a steady round: a probe first reads what the model missed while off, hundreds of tokens at a batch
 of 16), the share halving from EXPLORE_SHARE to MIN_EXPLORE_SHARE after each probe that leaves it off, so its
-acceptance keeps being measured; an off decision holds for the same batch until a probe or KEEP_OFF_STEPS. Drafted
+acceptance keeps being measured; an off decision holds for the same batch until a probe or KEEP_OFF_STEPS.
+
+A model that estimates its own tokens' acceptance as it drafts them (an EAGLE head: its probability of each token) is
+planned by those estimates for greedy batches, since the verification planner then verifies only the drafted tokens
+whose estimates pay for their rows: the batch drafts when its first tokens are expected to gain more than the forward
+that drafts them (each max(0, f a - r) tokens, over the model's last first-token estimates a, f the planner's
+calibration, r a verified row's cost in tokens), and each greedy request may then draft up to k, its chain going on
+while the likeliest chains together are expected to gain what the next forward costs (`continuing`). Measured chain
+rates undervalue such a model: on MT-Bench at B = 1 the shipped head's first tokens are accepted 34 % of the time,
+which pays for neither its forward and row, while the ones it gives 0.5 or more are accepted 51-93 %. Drafted
 positions need KV slots (the draft model writes its KV there): the request's blocks grow to cover them as far as free
 blocks allow, and the next step's update gives back what is not accepted.
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from drafters.base import Draft
@@ -36,6 +46,10 @@ from scheduler.request import Request
 # over every depth's latency and estimate each step (~0.2 ms of a 12-14 ms step on a 2-core CPU)
 KEEP_OFF_STEPS = 16
 DRAFT, NEVER, OFF = "draft", "never", "off"
+FIRST_ESTIMATES_KEPT = 64  # a model's estimates of its drafts' first tokens that decide whether it drafts next
+# ... and how many it drafts before they decide (a handful says little: the first tokens of answers are the head's least
+# sure, and an off decision is revisited only by one-token probes)
+FIRST_ESTIMATES_TRUSTED = 16
 EXPLORE_SHARE = 0.02  # of the step time, spent on one-token drafts right after the planner turned drafting off
 MIN_EXPLORE_SHARE = 0.002  # ... and after it kept it off through many probes
 
@@ -76,15 +90,29 @@ class ModelDraftBudget:
         self.probe_seconds = 0.0
         self._probing = False  # the drafting just reserved is a probe
         self._off: tuple[tuple, str, int] | None = None  # (batch, NEVER or OFF, steps it still holds) decided last
+        # this round's (seconds a yielded token is worth, the learnt acceptance of a token after the first) where the
+        # planner chose to draft with a model that knows its acceptance; None: its chains are not cut short
+        self._round_prices: tuple[float, float] | None = None
+        self._source = ""  # the source drafting was last reserved for
+        # the model's own estimates of the first tokens of its last drafts, where it gives them
+        self.first_estimates: deque[float] = deque(maxlen=FIRST_ESTIMATES_KEPT)
 
     def reserve(
         self, reqs: list[Request], max_tokens: int, source: str, beside: Sequence[tuple[Request, Draft]] = (),
+        knows_acceptance: bool = False,
     ) -> dict[str, int]:
         """Per request id, how many tokens it drafts with SOURCE's model next; their KV blocks are reserved. BESIDE: the
-        rest of the batch's decoding requests, with the drafts they have."""
-        depth = self._depth(reqs, max_tokens, source, beside)
+        rest of the batch's decoding requests, with the drafts they have. KNOWS_ACCEPTANCE: the model estimates each
+        greedy token's acceptance as it drafts it (an EAGLE head's own probability, drafters/head_draft.py), so once
+        the planner chooses to draft, a greedy request may draft up to MAX_TOKENS and stops where its path's estimate
+        is no longer worth a forward (`continuing`)."""
+        self._source = source
+        depth, chosen = self._depth(reqs, max_tokens, source, beside, knows_acceptance)
+        deepest = max_tokens if knows_acceptance and chosen else depth
         return {
-            req.request_id: self._reserve(req, min(depth, draft_depth_limit(req, self.max_model_len))) for req in reqs
+            req.request_id: self._reserve(
+                req, min(depth if req.sampled else deepest, draft_depth_limit(req, self.max_model_len)))
+            for req in reqs
         }
 
     def observe_drafting_seconds(
@@ -100,45 +128,101 @@ class ModelDraftBudget:
         error = seconds - predicted - len(draft_forwards) * self.draft_overhead_seconds
         self.draft_overhead_seconds += OVERHEAD_SMOOTHING * error / len(draft_forwards)
 
+    def observe_draft(self, draft: Draft) -> None:
+        """A draft proposed for the next step: where it is the model's and carries the model's own estimates, its first
+        token's estimate is kept for the decisions to come."""
+        if draft.source == self._source and draft.acceptance and len(draft):
+            self.first_estimates.append(draft.acceptance[0])
+
     def _depth(
-        self, reqs: list[Request], max_tokens: int, source: str, beside: Sequence[tuple[Request, Draft]]
-    ) -> int:
+        self, reqs: list[Request], max_tokens: int, source: str, beside: Sequence[tuple[Request, Draft]],
+        knows_acceptance: bool = False,
+    ) -> tuple[int, bool]:
+        """The batch's depth, and whether the planner chose it (not a probe, not the fixed depth without a planner)."""
+        self._round_prices = None
         if self.target_seconds is None or self.draft_seconds is None or not reqs:
-            return max_tokens
+            return max_tokens, False
         batch = len(reqs)
         rest_tokens, rest_expected = self._rest(beside)
         step_seconds = self._step_seconds(batch, rest_tokens, self.draft_overhead_seconds)
         decision = self._kept_off(reqs, beside)
         if decision is None:
-            decision, depth = self._decide(reqs, max_tokens, source, rest_tokens, rest_expected, step_seconds)
+            selective = knows_acceptance and not any(req.sampled for req in reqs)
+            decision, depth = self._decide(reqs, max_tokens, source, rest_tokens, rest_expected, step_seconds,
+                                           selective)
             if decision == DRAFT:
                 self.steps_off = self.probes_off = 0
                 self.probe_seconds = 0.0
-                return depth
+                if selective:
+                    self._round_prices = self._prices(reqs, source, step_seconds(0), rest_expected)
+                return depth, True
             self._off = (_batch_key(reqs, beside), decision, KEEP_OFF_STEPS)
         if decision == NEVER:
-            return 0
+            return 0, False
         depth = self._probe_depth(step_seconds(0), max(self._drafting_seconds(1, batch), self.probe_seconds))
         if depth:
             self._off, self._probing = None, True  # the probe's outcome changes the estimates: decide afresh after it
-        return depth
+        return depth, False
+
+    def _prices(self, reqs: list[Request], source: str, step_seconds: float, rest_expected: float) -> tuple:
+        """(the seconds a token the step yields is worth, the learnt acceptance of a drafted token given its parent's
+        at depth 2)."""
+        first, second = self._mean_path_probabilities(reqs, 2, source)
+        return step_seconds / (rest_expected + len(reqs)), second / max(first, 1e-9)
+
+    def continuing(self, path_probabilities: Sequence[float]) -> list[bool]:
+        """Which of the greedy chains a model that knows its acceptance drafts this round go on to one more token, by
+        the probabilities of their paths so far: the likeliest, as many as together are expected to gain what the
+        forward drafting their next tokens costs (each next token is accepted with its path's probability times the
+        learnt rate after the first). Verifying the tokens is the verification planner's choice, so no row is priced
+        here. Every chain goes on where the planner did not choose this round's depth."""
+        if self._round_prices is None:
+            return [True] * len(path_probabilities)
+        token_seconds, next_rate = self._round_prices
+        order = sorted(range(len(path_probabilities)), key=lambda i: -path_probabilities[i])
+        gain, count = 0.0, 0
+        for chains, i in enumerate(order, start=1):
+            gain += path_probabilities[i] * next_rate * token_seconds
+            if gain >= self._drafting_seconds(1, chains):
+                count = chains
+        going = set(order[:count])
+        return [i in going for i in range(len(path_probabilities))]
 
     def _decide(
         self, reqs: list[Request], max_tokens: int, source: str, rest_tokens: int, rest_expected: float,
-        step_seconds: Callable[[int], float],
+        step_seconds: Callable[[int], float], selective: bool = False,
     ) -> tuple[str, int]:
         """(DRAFT, the depth with the best expected goodput), or (OFF, 0) where that depth is 0, or (NEVER, 0) where
-        not even a draft the target always accepts would pay."""
+        not even a draft the target always accepts would pay. SELECTIVE: the model's drafts carry its own estimates,
+        and the batch's first tokens are weighed by them (`_first_token_pays`)."""
         batch = len(reqs)
         # were every drafted token accepted, at no more than the profiled draft cost (the overhead learnt while drafting
         # may be out of date once drafting stops): if even that does not pay, no acceptance can, and probing is waste
         cheapest = self._step_seconds(batch, rest_tokens, min(self.draft_overhead_seconds, 0.0))
         if not best_draft_depth([1.0] * max_tokens, batch, cheapest, rest_expected):
             return NEVER, 0
+        if selective:
+            return (DRAFT, 1) if self._first_token_pays(batch, source, rest_tokens, step_seconds(0) / (
+                rest_expected + batch)) else (OFF, 0)
         depth = best_draft_depth(
             self._mean_path_probabilities(reqs, max_tokens, source), batch, step_seconds, rest_expected
         )
         return (DRAFT, depth) if depth else (OFF, 0)
+
+    def _first_token_pays(self, batch: int, source: str, rest_tokens: int, token_seconds: float) -> bool:
+        """Whether BATCH requests' first drafted tokens are expected to gain more than the forward that drafts them,
+        when each is verified only where its estimate pays for its row: a first token with estimate a gains
+        max(0, f a - r) tokens, r a verified row's seconds in tokens (TOKEN_SECONDS: what a token the step yields is
+        worth) and f the planner's calibration of the model's estimates, averaged over the last first tokens the model
+        drafted. Its tokens after the first stop by their own estimates (`continuing`). Until it has drafted
+        FIRST_ESTIMATES_TRUSTED first tokens, it drafts."""
+        if len(self.first_estimates) < FIRST_ESTIMATES_TRUSTED:
+            return True
+        row_tokens = (self.target_seconds(rest_tokens + 2 * batch) - self.target_seconds(rest_tokens + batch)) / (
+            batch * token_seconds)
+        factor = self.estimator.factor(source, False) if hasattr(self.estimator, "factor") else 1.0
+        gain = sum(max(0.0, min(factor * a, 1.0) - row_tokens) for a in self.first_estimates)
+        return batch * gain / len(self.first_estimates) * token_seconds > self._drafting_seconds(1, batch)
 
     def _kept_off(self, reqs: list[Request], beside: Sequence[tuple[Request, Draft]]) -> str | None:
         """The off decision last made for this very batch, while it holds (KEEP_OFF_STEPS steps, no probe since);

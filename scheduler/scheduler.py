@@ -106,10 +106,15 @@ class Scheduler:
 
     def reserve_model_drafts(
         self, reqs: list[Request], max_tokens: int, source: str, beside: Sequence[tuple[Request, Draft]] = (),
+        knows_acceptance: bool = False,
     ) -> dict[str, int]:
         """Per request id, how many tokens it drafts with a model before the next step, BESIDE the rest of the batch's
         drafts (scheduler/model_drafts.py)."""
-        return self.model_drafts.reserve(reqs, max_tokens, source, beside)
+        return self.model_drafts.reserve(reqs, max_tokens, source, beside, knows_acceptance)
+
+    def chains_continuing(self, path_probabilities: Sequence[float]) -> list[bool]:
+        """Which greedy chains of a model that knows its tokens' acceptance draft one more token this round."""
+        return self.model_drafts.continuing(path_probabilities)
 
     def observe_drafting_seconds(
         self, seconds: float, draft_forwards: Sequence[int], companion_forwards: Sequence[int] = (),
@@ -133,6 +138,7 @@ class Scheduler:
     def set_drafts(self, reqs: list[Request], drafts: list[Draft]) -> None:
         for req, draft in zip(reqs, drafts):
             req.draft = draft if len(draft) or draft.lookahead else None
+            self.model_drafts.observe_draft(draft)
 
     # --- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

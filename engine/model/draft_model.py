@@ -209,8 +209,11 @@ class HeadForward(DraftForward):
     def __init__(
         self, draft: DraftModel, runner: PackedModelRunner, blocks: KVBlockManager,
         latency_profile: dict[int, float], target_config, reserve: Reserve = reserve_nothing,
+        continuing: Callable[[list[float]], list[bool]] = lambda probabilities: [True] * len(probabilities),
     ) -> None:
         super().__init__(draft, runner, blocks, latency_profile, reserve)
+        # which greedy chains, by their paths' probabilities, draft one more token this round (the scheduler decides)
+        self.continuing = continuing
         head: Eagle3Head = draft.model
         self.target_layers = aux_layers(head.config, target_config.num_hidden_layers)
         self.hidden_size = head.config.hidden_size

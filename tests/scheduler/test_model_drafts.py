@@ -3,7 +3,14 @@ from drafters.base import Draft
 from engine.wire import SamplingParams
 from scheduler.acceptance import TreeAcceptance
 from scheduler.kv_blocks import KVBlockManager
-from scheduler.model_drafts import EXPLORE_SHARE, KEEP_OFF_STEPS, MIN_EXPLORE_SHARE, ModelDraftBudget, best_draft_depth
+from scheduler.model_drafts import (
+    EXPLORE_SHARE,
+    FIRST_ESTIMATES_TRUSTED,
+    KEEP_OFF_STEPS,
+    MIN_EXPLORE_SHARE,
+    ModelDraftBudget,
+    best_draft_depth,
+)
 from scheduler.request import Request
 
 
@@ -176,3 +183,45 @@ def test_a_round_that_reads_many_unread_tokens_first_is_priced_by_them_and_teach
     assert abs(model_drafts.draft_overhead_seconds) < 1e-12
     model_drafts.observe_drafting_seconds(draft(150) + 2 * draft(1) + 0.003, [150, 1, 1])
     assert 0 < model_drafts.draft_overhead_seconds <= 0.1 * 0.001 + 1e-12  # 1 ms over three forwards, smoothed
+
+
+def sampled_request(request_id: str, num_tokens: int, blocks: KVBlockManager) -> Request:
+    req = Request(request_id, list(range(3, 3 + num_tokens)), SamplingParams(temperature=1.0, max_tokens=50))
+    req.num_computed_tokens = num_tokens - 1
+    blocks.grow(request_id, num_tokens)
+    return req
+
+
+def test_a_model_that_knows_its_acceptance_drafts_greedy_requests_as_deep_as_allowed_once_it_drafts():
+    # a draft forward costs half a step: chains of a 50 % rate do not pay, so a sampled request (whose drafts carry no
+    # estimates) drafts nothing; a greedy one drafts while the model has too few first-token estimates to weigh
+    model_drafts, blocks = budget(planned=True, rate=0.5)
+    greedy, sampled = decoding_request("a", 6, blocks), sampled_request("b", 6, blocks)
+    assert model_drafts.reserve([sampled], 5, "draft", knows_acceptance=True) == {"b": 0}
+    assert model_drafts.reserve([greedy], 5, "draft", knows_acceptance=True) == {"a": 5}
+    assert model_drafts.reserve([greedy], 5, "draft") == {"a": 0}  # a model without estimates: the chains' rate
+
+
+def test_the_first_tokens_estimates_decide_whether_a_model_that_knows_its_acceptance_drafts():
+    for estimate, drafts in [(0.05, False), (0.95, True)]:
+        model_drafts, blocks = budget(planned=True, rate=0.5)
+        req = decoding_request("a", 6, blocks)
+        model_drafts.reserve([req], 5, "draft", knows_acceptance=True)
+        for _ in range(FIRST_ESTIMATES_TRUSTED):
+            model_drafts.observe_draft(Draft([7, 8], "draft", acceptance=[estimate, 0.9]))
+            model_drafts.observe_draft(Draft([7], "copy", acceptance=[1 - estimate]))  # another source's: not kept
+        # a first token verified only where it pays for its row gains max(0, a - r) tokens, against half a step
+        assert (model_drafts.reserve([req], 5, "draft", knows_acceptance=True)["a"] > 0) == drafts
+
+
+def test_a_rounds_chains_go_on_while_the_likeliest_together_pay_for_the_next_forward():
+    # a forward costs 30 ms and 20 ms more a chain (a step 101 ms): a 0.9 path alone gains less than a forward,
+    # with the 0.5 one beside it more than the forward of two; the 0.1 one adds less than its share
+    model_drafts, blocks = budget(planned=True, rate=0.5, draft=linear(0.02, 0.03))
+    req = decoding_request("a", 6, blocks)
+    assert model_drafts.continuing([0.9, 0.1, 0.5]) == [True] * 3  # no round priced: the chains run to their budget
+    model_drafts.reserve([req], 5, "draft", knows_acceptance=True)  # drafting, its first tokens not weighed yet
+    assert model_drafts.continuing([0.9, 0.1, 0.5]) == [True, False, True]
+    assert model_drafts.continuing([0.3]) == [False]
+    model_drafts.reserve([req], 5, "draft")  # a model without estimates: its chains are not cut short
+    assert model_drafts.continuing([0.3]) == [True]

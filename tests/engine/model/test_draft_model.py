@@ -65,9 +65,9 @@ def test_copy_first_asks_the_scheduler_for_model_drafts_only_for_requests_copysp
     asked, steps = [], []
     reserve, set_drafts = engine.scheduler.reserve_model_drafts, engine.scheduler.set_drafts
 
-    def record_reserve(reqs, max_tokens, source, beside):
+    def record_reserve(reqs, max_tokens, source, beside, **kwargs):
         asked.append(({r.request_id for r in reqs}, {r.request_id for r, _ in beside}))
-        return reserve(reqs, max_tokens, source, beside)
+        return reserve(reqs, max_tokens, source, beside, **kwargs)
 
     engine.scheduler.reserve_model_drafts = record_reserve
     engine.scheduler.set_drafts = lambda reqs, drafts: steps.append((asked.pop() if asked else (set(), set()), {

@@ -92,6 +92,26 @@ def test_a_greedy_requests_head_draft_is_its_chain_with_the_next_likeliest_token
             beside = [n for n, parent in enumerate(draft.parents) if parent == draft.parents[node]]
             assert len({draft.token_ids[n] for n in beside}) == 1 + SIBLINGS  # distinct, all of the draft vocabulary
             assert all(draft.token_ids[n] % 2 == 0 for n in beside)
+            # each node's acceptance estimate is the head's probability of it: the chain's token the likeliest
+            estimates = [draft.acceptance[n] for n in beside]
+            assert estimates == sorted(estimates, reverse=True) and 0 < sum(estimates) <= 1 + 1e-6
+
+
+def test_a_greedy_heads_chains_go_on_only_where_the_scheduler_says(tiny_model_dir, tiny_head_dir):
+    engine = draft_engine(tiny_model_dir, tiny_head_dir)
+    asked = []
+    engine.draft_forward.continuing = lambda probabilities: asked.append(list(probabilities)) or [
+        probability > 0.5 for probability in probabilities]
+    drafts = recorded_drafts(engine)
+    run_to_completion(engine, prompts(3, seed=9), [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * 3)
+    assert asked and all(0 < p <= 1 for probabilities in asked for p in probabilities)
+    stopped = 0
+    for draft in drafts:
+        chain = [draft.acceptance[n] for n, rank in enumerate(sibling_ranks(draft.parents)) if rank == 0]
+        paths = [float(torch.tensor(chain[:i + 1]).prod()) for i in range(len(chain))]
+        assert all(path > 0.5 for path in paths[:-1])  # every level but the last went on: its path was likely
+        stopped += len(chain) < 4 and paths[-1] <= 0.5
+    assert stopped  # some chains stopped short of the 4 tokens they were allowed (the tiny head is unsure)
 
 
 def test_the_head_reads_the_targets_states_as_a_first_forward_over_the_unread_tokens(tiny_model_dir, tiny_head_dir):
