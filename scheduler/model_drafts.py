@@ -19,9 +19,9 @@ acceptance keeps being measured; an off decision holds for the same batch until 
 
 A model that estimates its own tokens' acceptance as it drafts them (an EAGLE head: its probability of each token) is
 planned by those estimates for greedy batches, since the verification planner then verifies only the drafted tokens
-whose estimates pay for their rows: the batch drafts when its first tokens are expected to gain more than the forward
-that drafts them (each max(0, f a - r) tokens, over the model's last first-token estimates a, f the planner's
-calibration, r a verified row's cost in tokens), and each greedy request may then draft up to k, its chain going on
+whose estimates pay for their rows: the batch drafts when its drafts are expected to gain more than the forwards
+that draft them (each node max(0, f P - r) tokens, P its path's estimate, f the planner's calibration, r a verified
+row's cost in tokens, over the model's last drafts), and each greedy request may then draft up to k, its chain going on
 while the likeliest chains together are expected to gain what the next forward costs (`continuing`). Measured chain
 rates undervalue such a model: on MT-Bench at B = 1 the shipped head's first tokens are accepted 34 % of the time,
 which pays for neither its forward and row, while the ones it gives 0.5 or more are accepted 51-93 %. Drafted
@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from drafters.base import Draft
+from drafters.tree import depths
 from scheduler.acceptance import AcceptanceEstimator
 from scheduler.draft_selection import draft_depth_limit
 from scheduler.kv_blocks import KVBlockManager
@@ -45,11 +46,13 @@ from scheduler.request import Request
 # steps or until a probe: the estimates it rests on change only when a draft is verified, and deciding costs a pass
 # over every depth's latency and estimate each step (~0.2 ms of a 12-14 ms step on a 2-core CPU)
 KEEP_OFF_STEPS = 16
-DRAFT, NEVER, OFF = "draft", "never", "off"
-FIRST_ESTIMATES_KEPT = 64  # a model's estimates of its drafts' first tokens that decide whether it drafts next
+# EXPLORE: a model that knows its acceptance drafts, to gather the drafts that decide whether it pays
+DRAFT, EXPLORE, NEVER, OFF = "draft", "explore", "never", "off"
+DRAFTS_KEPT = 64  # a model's last drafts with its own estimates, which decide whether it drafts next
 # ... and how many it drafts before they decide (a handful says little: the first tokens of answers are the head's least
-# sure, and an off decision is revisited only by one-token probes)
-FIRST_ESTIMATES_TRUSTED = 16
+# sure), at start and after each probe, which forgets the drafts kept (they are as old as the off decision), so that the
+# decision rests on fresh ones; the probe is priced at the rounds that takes
+DRAFTS_TRUSTED = 16
 EXPLORE_SHARE = 0.02  # of the step time, spent on one-token drafts right after the planner turned drafting off
 MIN_EXPLORE_SHARE = 0.002  # ... and after it kept it off through many probes
 
@@ -94,8 +97,8 @@ class ModelDraftBudget:
         # planner chose to draft with a model that knows its acceptance; None: its chains are not cut short
         self._round_prices: tuple[float, float] | None = None
         self._source = ""  # the source drafting was last reserved for
-        # the model's own estimates of the first tokens of its last drafts, where it gives them
-        self.first_estimates: deque[float] = deque(maxlen=FIRST_ESTIMATES_KEPT)
+        # the model's last drafts that carried its own estimates: (each node's path probability, forwards it took)
+        self.recent_drafts: deque[tuple[list[float], int]] = deque(maxlen=DRAFTS_KEPT)
 
     def reserve(
         self, reqs: list[Request], max_tokens: int, source: str, beside: Sequence[tuple[Request, Draft]] = (),
@@ -129,10 +132,11 @@ class ModelDraftBudget:
         self.draft_overhead_seconds += OVERHEAD_SMOOTHING * error / len(draft_forwards)
 
     def observe_draft(self, draft: Draft) -> None:
-        """A draft proposed for the next step: where it is the model's and carries the model's own estimates, its first
-        token's estimate is kept for the decisions to come."""
+        """A draft proposed for the next step: where it is the model's and carries the model's own estimates, its
+        nodes' path probabilities and its depth (the forwards that drafted it) are kept for the decisions to come."""
         if draft.source == self._source and draft.acceptance and len(draft):
-            self.first_estimates.append(draft.acceptance[0])
+            paths = path_probabilities(PlannedTree(draft.parents, draft.acceptance))
+            self.recent_drafts.append((paths, max(depths(draft.parents))))
 
     def _depth(
         self, reqs: list[Request], max_tokens: int, source: str, beside: Sequence[tuple[Request, Draft]],
@@ -145,23 +149,28 @@ class ModelDraftBudget:
         batch = len(reqs)
         rest_tokens, rest_expected = self._rest(beside)
         step_seconds = self._step_seconds(batch, rest_tokens, self.draft_overhead_seconds)
+        selective = knows_acceptance and not any(req.sampled for req in reqs)
         decision = self._kept_off(reqs, beside)
         if decision is None:
-            selective = knows_acceptance and not any(req.sampled for req in reqs)
             decision, depth = self._decide(reqs, max_tokens, source, rest_tokens, rest_expected, step_seconds,
                                            selective)
-            if decision == DRAFT:
-                self.steps_off = self.probes_off = 0
-                self.probe_seconds = 0.0
+            if decision in (DRAFT, EXPLORE):
+                if decision == DRAFT:
+                    self.steps_off = self.probes_off = 0
+                    self.probe_seconds = 0.0
                 if selective:
                     self._round_prices = self._prices(reqs, source, step_seconds(0), rest_expected)
                 return depth, True
             self._off = (_batch_key(reqs, beside), decision, KEEP_OFF_STEPS)
         if decision == NEVER:
             return 0, False
-        depth = self._probe_depth(step_seconds(0), max(self._drafting_seconds(1, batch), self.probe_seconds))
+        probe_rounds = -(-DRAFTS_TRUSTED // batch) if selective else 1
+        depth = self._probe_depth(step_seconds(0),
+                                  probe_rounds * max(self._drafting_seconds(1, batch), self.probe_seconds))
         if depth:
             self._off, self._probing = None, True  # the probe's outcome changes the estimates: decide afresh after it
+            if selective:  # its estimates are as old as the off decision: it drafts until it has fresh ones
+                self.recent_drafts.clear()
         return depth, False
 
     def _prices(self, reqs: list[Request], source: str, step_seconds: float, rest_expected: float) -> tuple:
@@ -194,7 +203,8 @@ class ModelDraftBudget:
     ) -> tuple[str, int]:
         """(DRAFT, the depth with the best expected goodput), or (OFF, 0) where that depth is 0, or (NEVER, 0) where
         not even a draft the target always accepts would pay. SELECTIVE: the model's drafts carry its own estimates,
-        and the batch's first tokens are weighed by them (`_first_token_pays`)."""
+        and the batch drafts where its recent drafts say that pays (`_selective_drafting_pays`), or to gather them
+        (EXPLORE) while it has fewer than DRAFTS_TRUSTED."""
         batch = len(reqs)
         # were every drafted token accepted, at no more than the profiled draft cost (the overhead learnt while drafting
         # may be out of date once drafting stops): if even that does not pay, no acceptance can, and probing is waste
@@ -202,27 +212,27 @@ class ModelDraftBudget:
         if not best_draft_depth([1.0] * max_tokens, batch, cheapest, rest_expected):
             return NEVER, 0
         if selective:
-            return (DRAFT, 1) if self._first_token_pays(batch, source, rest_tokens, step_seconds(0) / (
+            if len(self.recent_drafts) < DRAFTS_TRUSTED:
+                return EXPLORE, 1
+            return (DRAFT, 1) if self._selective_drafting_pays(batch, source, rest_tokens, step_seconds(0) / (
                 rest_expected + batch)) else (OFF, 0)
         depth = best_draft_depth(
             self._mean_path_probabilities(reqs, max_tokens, source), batch, step_seconds, rest_expected
         )
         return (DRAFT, depth) if depth else (OFF, 0)
 
-    def _first_token_pays(self, batch: int, source: str, rest_tokens: int, token_seconds: float) -> bool:
-        """Whether BATCH requests' first drafted tokens are expected to gain more than the forward that drafts them,
-        when each is verified only where its estimate pays for its row: a first token with estimate a gains
-        max(0, f a - r) tokens, r a verified row's seconds in tokens (TOKEN_SECONDS: what a token the step yields is
-        worth) and f the planner's calibration of the model's estimates, averaged over the last first tokens the model
-        drafted. Its tokens after the first stop by their own estimates (`continuing`). Until it has drafted
-        FIRST_ESTIMATES_TRUSTED first tokens, it drafts."""
-        if len(self.first_estimates) < FIRST_ESTIMATES_TRUSTED:
-            return True
+    def _selective_drafting_pays(self, batch: int, source: str, rest_tokens: int, token_seconds: float) -> bool:
+        """Whether BATCH requests' drafts are expected to gain more than the forwards that draft them, when each drafted
+        token is verified only where its estimate pays for its row: a node whose path the model gives probability P
+        gains max(0, f P - r) tokens, r a verified row's seconds in tokens (TOKEN_SECONDS: what a token the step yields
+        is worth) and f the planner's calibration of the model's estimates; gains and forwards are averaged over the
+        model's last drafts, which the same rule drafted (`continuing`)."""
         row_tokens = (self.target_seconds(rest_tokens + 2 * batch) - self.target_seconds(rest_tokens + batch)) / (
             batch * token_seconds)
         factor = self.estimator.factor(source, False) if hasattr(self.estimator, "factor") else 1.0
-        gain = sum(max(0.0, min(factor * a, 1.0) - row_tokens) for a in self.first_estimates)
-        return batch * gain / len(self.first_estimates) * token_seconds > self._drafting_seconds(1, batch)
+        gain = sum(max(0.0, min(factor * p, 1.0) - row_tokens) for paths, _ in self.recent_drafts for p in paths)
+        forwards = sum(depth for _, depth in self.recent_drafts)
+        return batch * gain * token_seconds > forwards * self._drafting_seconds(1, batch)
 
     def _kept_off(self, reqs: list[Request], beside: Sequence[tuple[Request, Draft]]) -> str | None:
         """The off decision last made for this very batch, while it holds (KEEP_OFF_STEPS steps, no probe since);

@@ -4,8 +4,8 @@ from engine.wire import SamplingParams
 from scheduler.acceptance import TreeAcceptance
 from scheduler.kv_blocks import KVBlockManager
 from scheduler.model_drafts import (
+    DRAFTS_TRUSTED,
     EXPLORE_SHARE,
-    FIRST_ESTIMATES_TRUSTED,
     KEEP_OFF_STEPS,
     MIN_EXPLORE_SHARE,
     ModelDraftBudget,
@@ -202,15 +202,15 @@ def test_a_model_that_knows_its_acceptance_drafts_greedy_requests_as_deep_as_all
     assert model_drafts.reserve([greedy], 5, "draft") == {"a": 0}  # a model without estimates: the chains' rate
 
 
-def test_the_first_tokens_estimates_decide_whether_a_model_that_knows_its_acceptance_drafts():
+def test_its_recent_drafts_estimates_decide_whether_a_model_that_knows_its_acceptance_drafts():
     for estimate, drafts in [(0.05, False), (0.95, True)]:
         model_drafts, blocks = budget(planned=True, rate=0.5)
         req = decoding_request("a", 6, blocks)
         model_drafts.reserve([req], 5, "draft", knows_acceptance=True)
-        for _ in range(FIRST_ESTIMATES_TRUSTED):
+        for _ in range(DRAFTS_TRUSTED):
             model_drafts.observe_draft(Draft([7, 8], "draft", acceptance=[estimate, 0.9]))
             model_drafts.observe_draft(Draft([7], "copy", acceptance=[1 - estimate]))  # another source's: not kept
-        # a first token verified only where it pays for its row gains max(0, a - r) tokens, against half a step
+        # each node verified only where it pays for its row gains max(0, P - r) tokens, against half a step a forward
         assert (model_drafts.reserve([req], 5, "draft", knows_acceptance=True)["a"] > 0) == drafts
 
 
@@ -225,3 +225,29 @@ def test_a_rounds_chains_go_on_while_the_likeliest_together_pay_for_the_next_for
     assert model_drafts.continuing([0.3]) == [False]
     model_drafts.reserve([req], 5, "draft")  # a model without estimates: its chains are not cut short
     assert model_drafts.continuing([0.3]) == [True]
+
+
+def test_a_probe_of_a_model_that_knows_its_acceptance_drafts_afresh_until_its_drafts_decide_again():
+    model_drafts, blocks = budget(planned=True, rate=0.5)
+    req = decoding_request("a", 6, blocks)
+
+    def step() -> int:
+        depth = model_drafts.reserve([req], 5, "draft", knows_acceptance=True)["a"]
+        blocks.free("a")
+        blocks.grow("a", 6)
+        if depth:
+            model_drafts.observe_draft(Draft([7, 8], "draft", acceptance=[0.05, 0.5]))  # never worth its forward
+        return depth
+
+    depths = [step() for _ in range(DRAFTS_TRUSTED + 1)]
+    assert depths == [5] * DRAFTS_TRUSTED + [0]  # drafted to gather its estimates, then turned off by them
+    gaps, off = [], 0
+    while len(gaps) < 3:
+        if step():
+            gaps.append(off)
+            assert [step() for _ in range(DRAFTS_TRUSTED)] == [5] * (DRAFTS_TRUSTED - 1) + [0]  # fresh drafts decide
+            off = 0
+        else:
+            off += 1
+    # a probe is priced at the DRAFTS_TRUSTED rounds it drafts, and the probes' share halves as they leave it off
+    assert gaps[1] > 1.8 * gaps[0] and gaps[2] > 1.8 * gaps[1]
