@@ -51,7 +51,8 @@ DRAFT, EXPLORE, NEVER, OFF = "draft", "explore", "never", "off"
 DRAFTS_KEPT = 64  # a model's last drafts with its own estimates, which decide whether it drafts next
 # ... and how many it drafts before they decide (a handful says little: the first tokens of answers are the head's least
 # sure), at start and after each probe, which forgets the drafts kept (they are as old as the off decision), so that the
-# decision rests on fresh ones; the probe is priced at the rounds that takes
+# decision rests on fresh ones; the probe is priced at what those rounds were expected to lose (little where drafting
+# nearly paid: it is then probed often), or at what the last probe took where that is more
 DRAFTS_TRUSTED = 16
 EXPLORE_SHARE = 0.02  # of the step time, spent on one-token drafts right after the planner turned drafting off
 MIN_EXPLORE_SHARE = 0.002  # ... and after it kept it off through many probes
@@ -99,6 +100,7 @@ class ModelDraftBudget:
         self._source = ""  # the source drafting was last reserved for
         # the model's last drafts that carried its own estimates: (each node's path probability, forwards it took)
         self.recent_drafts: deque[tuple[list[float], int]] = deque(maxlen=DRAFTS_KEPT)
+        self.selective_loss = 0.0  # what a round of such a model was expected to lose when the planner last declined it
 
     def reserve(
         self, reqs: list[Request], max_tokens: int, source: str, beside: Sequence[tuple[Request, Draft]] = (),
@@ -164,9 +166,10 @@ class ModelDraftBudget:
             self._off = (_batch_key(reqs, beside), decision, KEEP_OFF_STEPS)
         if decision == NEVER:
             return 0, False
-        probe_rounds = -(-DRAFTS_TRUSTED // batch) if selective else 1
-        depth = self._probe_depth(step_seconds(0),
-                                  probe_rounds * max(self._drafting_seconds(1, batch), self.probe_seconds))
+        probe = max(self._drafting_seconds(1, batch), self.probe_seconds)
+        if selective:  # its probe drafts until it has fresh drafts, each round expected to lose what its gain lacks
+            probe = max(self.probe_seconds, -(-DRAFTS_TRUSTED // batch) * self.selective_loss)
+        depth = self._probe_depth(step_seconds(0), probe)
         if depth:
             self._off, self._probing = None, True  # the probe's outcome changes the estimates: decide afresh after it
             if selective:  # its estimates are as old as the off decision: it drafts until it has fresh ones
@@ -203,7 +206,7 @@ class ModelDraftBudget:
     ) -> tuple[str, int]:
         """(DRAFT, the depth with the best expected goodput), or (OFF, 0) where that depth is 0, or (NEVER, 0) where
         not even a draft the target always accepts would pay. SELECTIVE: the model's drafts carry its own estimates,
-        and the batch drafts where its recent drafts say that pays (`_selective_drafting_pays`), or to gather them
+        and the batch drafts where its recent drafts say that pays (`_selective_round`), or to gather them
         (EXPLORE) while it has fewer than DRAFTS_TRUSTED."""
         batch = len(reqs)
         # were every drafted token accepted, at no more than the profiled draft cost (the overhead learnt while drafting
@@ -214,25 +217,27 @@ class ModelDraftBudget:
         if selective:
             if len(self.recent_drafts) < DRAFTS_TRUSTED:
                 return EXPLORE, 1
-            return (DRAFT, 1) if self._selective_drafting_pays(batch, source, rest_tokens, step_seconds(0) / (
-                rest_expected + batch)) else (OFF, 0)
+            gain, cost = self._selective_round(batch, source, rest_tokens, step_seconds(0) / (rest_expected + batch))
+            self.selective_loss = max(cost - gain, 0.0)
+            return (DRAFT, 1) if gain > cost else (OFF, 0)
         depth = best_draft_depth(
             self._mean_path_probabilities(reqs, max_tokens, source), batch, step_seconds, rest_expected
         )
         return (DRAFT, depth) if depth else (OFF, 0)
 
-    def _selective_drafting_pays(self, batch: int, source: str, rest_tokens: int, token_seconds: float) -> bool:
-        """Whether BATCH requests' drafts are expected to gain more than the forwards that draft them, when each drafted
-        token is verified only where its estimate pays for its row: a node whose path the model gives probability P
-        gains max(0, f P - r) tokens, r a verified row's seconds in tokens (TOKEN_SECONDS: what a token the step yields
-        is worth) and f the planner's calibration of the model's estimates; gains and forwards are averaged over the
-        model's last drafts, which the same rule drafted (`continuing`)."""
+    def _selective_round(self, batch: int, source: str, rest_tokens: int, token_seconds: float) -> tuple[float, float]:
+        """(expected gain, cost) in seconds of a round in which BATCH requests draft, each drafted token verified only
+        where its estimate pays for its row: a node whose path the model gives probability P gains max(0, f P - r)
+        tokens, r a verified row's seconds in tokens (TOKEN_SECONDS: what a token the step yields is worth) and f the
+        planner's calibration of the model's estimates; gains and forwards are averaged over the model's last drafts,
+        which the same rule drafted (`continuing`)."""
         row_tokens = (self.target_seconds(rest_tokens + 2 * batch) - self.target_seconds(rest_tokens + batch)) / (
             batch * token_seconds)
         factor = self.estimator.factor(source, False) if hasattr(self.estimator, "factor") else 1.0
         gain = sum(max(0.0, min(factor * p, 1.0) - row_tokens) for paths, _ in self.recent_drafts for p in paths)
         forwards = sum(depth for _, depth in self.recent_drafts)
-        return batch * gain * token_seconds > forwards * self._drafting_seconds(1, batch)
+        kept = len(self.recent_drafts)
+        return batch * gain / kept * token_seconds, forwards / kept * self._drafting_seconds(1, batch)
 
     def _kept_off(self, reqs: list[Request], beside: Sequence[tuple[Request, Draft]]) -> str | None:
         """The off decision last made for this very batch, while it holds (KEEP_OFF_STEPS steps, no probe since);
