@@ -194,7 +194,7 @@ def sampled_request(request_id: str, num_tokens: int, blocks: KVBlockManager) ->
 
 def test_a_model_that_knows_its_acceptance_drafts_greedy_requests_as_deep_as_allowed_once_it_drafts():
     # a draft forward costs half a step: chains of a 50 % rate do not pay, so a sampled request (whose drafts carry no
-    # estimates) drafts nothing; a greedy one drafts while the model has too few first-token estimates to weigh
+    # estimates) drafts nothing; a greedy one drafts while the model has too few drafts of its own to weigh
     model_drafts, blocks = budget(planned=True, rate=0.5)
     greedy, sampled = decoding_request("a", 6, blocks), sampled_request("b", 6, blocks)
     assert model_drafts.reserve([sampled], 5, "draft", knows_acceptance=True) == {"b": 0}
@@ -220,7 +220,7 @@ def test_a_rounds_chains_go_on_while_the_likeliest_together_pay_for_the_next_for
     model_drafts, blocks = budget(planned=True, rate=0.5, draft=linear(0.02, 0.03))
     req = decoding_request("a", 6, blocks)
     assert model_drafts.continuing([0.9, 0.1, 0.5]) == [True] * 3  # no round priced: the chains run to their budget
-    model_drafts.reserve([req], 5, "draft", knows_acceptance=True)  # drafting, its first tokens not weighed yet
+    model_drafts.reserve([req], 5, "draft", knows_acceptance=True)  # drafting, its drafts not weighed yet
     assert model_drafts.continuing([0.9, 0.1, 0.5]) == [True, False, True]
     assert model_drafts.continuing([0.3]) == [False]
     model_drafts.reserve([req], 5, "draft")  # a model without estimates: its chains are not cut short
@@ -251,3 +251,17 @@ def test_a_probe_of_a_model_that_knows_its_acceptance_drafts_afresh_until_its_dr
             off += 1
     # a probe is priced at the DRAFTS_TRUSTED rounds it drafts, and the probes' share halves as they leave it off
     assert gaps[1] > 1.8 * gaps[0] and gaps[2] > 1.8 * gaps[1]
+
+
+def test_a_draft_models_overhead_is_learnt_per_chain_so_a_larger_batch_is_priced_by_its_chains():
+    # the drafter's own work takes 1 ms per request a forward carries, beyond a profile that knows nothing of it
+    blocks = KVBlockManager(num_blocks=64, block_size=4)
+    draft = linear(0.0001, 0.001)
+    model_drafts = ModelDraftBudget(TreeAcceptance(0.9, 1e6), blocks, 1024, linear(0.001, 0.1), draft)
+    reqs = [decoding_request(f"r{i}", 6, blocks) for i in range(16)]
+    for _ in range(200):
+        model_drafts.reserve(reqs, 2, "draft")
+        model_drafts.observe_drafting_seconds(draft(20) + draft(16) + 32 * 0.001, [20, 16])  # 16 chains in each
+    assert abs(model_drafts.draft_overhead_seconds - 0.001) < 1e-5
+    assert abs(model_drafts._drafting_seconds(1, 16) - (draft(16) + 0.016)) < 2e-4
+    assert abs(model_drafts._drafting_seconds(1, 1) - (draft(1) + 0.001)) < 1e-5
