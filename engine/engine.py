@@ -344,7 +344,7 @@ class Engine:
             stats.conversation_hits, stats.conversation_misses = counts.conversation_hits, counts.conversation_misses
             stats.session_reused_tokens, stats.session_evictions = counts.reused_tokens, counts.evictions
             stats.num_sessions = sessions.num_sessions
-        stats.drafter_state_bytes = self.speculation.state_bytes()
+        stats.drafter_state_bytes = self.speculation.reported_state_bytes()
 
 
 def _wire_output(

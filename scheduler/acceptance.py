@@ -34,6 +34,9 @@ class AcceptanceEstimator(Protocol):
     def observe(self, req: Request, draft: Draft, target_token_ids: list[int]) -> None:
         """Score DRAFT against the target's tokens at depths 1, 2, ... (what the step produced for the request)."""
 
+    def factor(self, source: str, sampled: bool) -> float:
+        """What SOURCE's estimates are multiplied by (1: they are used as they are)."""
+
 
 class Counts:
     """How often nodes of each (depth, rank) were tried (their parent accepted) and accepted."""
@@ -89,6 +92,9 @@ class TreeAcceptance:
         for key, was_accepted in scored_nodes(draft, target_token_ids):
             shared.add(key, was_accepted)
             own.add(key, was_accepted)
+
+    def factor(self, source: str, sampled: bool) -> float:
+        return 1.0
 
     def forget(self, request_id: str) -> None:
         self.by_request.pop(request_id, None)

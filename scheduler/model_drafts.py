@@ -244,7 +244,7 @@ class ModelDraftBudget:
         which the same rule drafted (`continuing`)."""
         row_tokens = (self.target_seconds(rest_tokens + 2 * batch) - self.target_seconds(rest_tokens + batch)) / (
             batch * token_seconds)
-        factor = self.estimator.factor(source, False) if hasattr(self.estimator, "factor") else 1.0
+        factor = self.estimator.factor(source, False)
         gain = sum(max(0.0, min(factor * p, 1.0) - row_tokens) for paths, _ in self.recent_drafts for p in paths)
         forwards = sum(depth for _, depth in self.recent_drafts)
         kept = len(self.recent_drafts)
