@@ -202,6 +202,10 @@ class Drafter(Protocol):
     def propose(self, reqs: Sequence[DraftableRequest]) -> list[Draft]:
         """One draft per request, in order."""
 
+    def propose_resting(self, reqs: Sequence[DraftableRequest]) -> list[Draft]:
+        """One draft per request resting from `propose` (the planner kept declining its drafts; scheduler/
+        drafting_gate.py), in order: only guesses that cost next to nothing to find, or none (an empty draft)."""
+
     def preempt(self, req: DraftableRequest) -> None:
         """The request's KV was freed; it will be computed again from its tokens (and observed again)."""
 
@@ -223,6 +227,9 @@ class DrafterBase:
 
     def observe(self, req: DraftableRequest, computed: Computed) -> None:
         pass
+
+    def propose_resting(self, reqs: Sequence[DraftableRequest]) -> list[Draft]:
+        return [Draft([], self.name) for _ in reqs]
 
     def preempt(self, req: DraftableRequest) -> None:
         pass

@@ -38,8 +38,9 @@ SPECTRA-RETRIEVAL's guesses follow the core's: the continuations of the context'
 prompt, joins one index shared by all requests and sessions, bounded in bytes, oldest out: `--spectra-index-mib`),
 then the corpus `specserve calibrate corpus` kept for the served model (the paper's index: the samples the model finds
 likeliest), then one guess from the same calibration's table of the model's own confident next tokens after short
-contexts (drafters/model_ngrams.py: what is guessable in sampled text, where the conversation's n-grams rarely are).
-`spectra-core` is the core alone.
+contexts (drafters/model_ngrams.py: what is guessable in sampled text, where the conversation's n-grams rarely are);
+a request resting from proposing (scheduler/drafting_gate.py) offers that guess alone. `spectra-core` is the core
+alone.
 
 Defaults are the paper's Appendix B: N = 5 (5-grams), G = 15 guesses, 15 continuations per key, W = 15 pool
 chains; tau is read the other way round (TAU).
@@ -57,7 +58,7 @@ from drafters.model_ngrams import ModelNgrams
 from drafters.model_ngrams import kind as model_kind
 from drafters.ngram import RowRates
 from drafters.retrieval import MAX_MATCH, SuffixIndex
-from drafters.tree import Trie, depths, scored_walk
+from drafters.tree import Trie, chain_parents, depths, scored_walk
 
 if TYPE_CHECKING:
     import torch
@@ -356,6 +357,22 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
         pool = self._pools.get(request_id)
         return Draft(tree.token_ids, self.name, tree.parents, estimates, lookahead=pool.offered() if pool else (),
                      lookahead_yield=self.lookahead_yield.per_row)
+
+    def propose_resting(self, reqs: Sequence[DraftableRequest]) -> list[Draft]:
+        """A resting request's draft is the model n-grams' guess alone: one table lookup, no catching up of the
+        dictionaries, no search (scored like any other at the next extend)."""
+        return [self._model_ngram_draft(req.request_id, self._corpora[req.request_id].corpus) for req in reqs]
+
+    def _model_ngram_draft(self, request_id: str, token_ids: Sequence[int]) -> Draft:
+        tokens, confidence = self.model_ngrams.guess(token_ids) if self.model_ngrams is not None else ([], 0.0)
+        if not tokens:
+            return Draft([], self.name)
+        guess = Guess(tokens, model_kind(confidence), False)
+        parents = chain_parents(len(tokens))
+        kinds = [guess.kind] * len(tokens)
+        self._proposed[request_id] = Proposal([guess], tokens, parents, kinds)
+        own = self._request_rates.get(request_id, RowRates())
+        return Draft(tokens, self.name, parents, own.estimates(list(zip(kinds, depths(parents))), shared=self.rates))
 
     def guesses(self, index: NgramDictionaries, token_ids: Sequence[int]) -> list[Guess]:
         """The guesses `guess_tree` takes, without their tree."""

@@ -289,9 +289,12 @@ class Engine:
                 self._release(req)
             else:
                 self.speculation.extend(req, request_update.new_token_ids)
-        drafting = self.scheduler.drafting([req for req in self.scheduler.running if req.is_decoding])
+        decoding = [req for req in self.scheduler.running if req.is_decoding]
+        drafting = self.scheduler.drafting(decoding)
         start = time.perf_counter()
         self.scheduler.set_drafts(drafting, self._grammatical(drafting, self.speculation.propose(drafting)))
+        resting = self.scheduler.resting(decoding)
+        self.scheduler.set_drafts(resting, self._grammatical(resting, self.speculation.propose_resting(resting)))
         draft_seconds = 0.0
         if self.draft_forward:
             draft_seconds = time.perf_counter() - start

@@ -65,6 +65,9 @@ class Speculation:
     def propose(self, reqs: list[Request]) -> list[Draft]:
         return self.drafter.propose(reqs) if reqs else []
 
+    def propose_resting(self, reqs: list[Request]) -> list[Draft]:
+        return self.drafter.propose_resting(reqs) if reqs else []
+
     def distributions(self, req: Request):
         """The distributions the request's draft was sampled from (a draft model's q), or None for point masses."""
         return self.drafter.distributions(req)

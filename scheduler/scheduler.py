@@ -135,6 +135,11 @@ class Scheduler:
                 req.draft = None
         return proposing
 
+    def resting(self, reqs: list[Request]) -> list[Request]:
+        """Of the decoding REQS, those `drafting` rested this step: they may offer what their drafter finds at next
+        to no cost, which the gate does not count for or against their rest."""
+        return [req for req in reqs if self.gate.resting(req.request_id)] if self.gate is not None else []
+
     def set_drafts(self, reqs: list[Request], drafts: list[Draft]) -> None:
         for req, draft in zip(reqs, drafts):
             req.draft = draft if len(draft) or draft.lookahead else None

@@ -1,5 +1,7 @@
 """The table of the model's own confident next tokens: how predictions aggregate per context, what is dropped, the
 longest-context guess, its bound and its JSON form; and SPECTRA drafting from it."""
+from types import SimpleNamespace
+
 import pytest
 
 from drafters.model_ngrams import BYTES_PER_ENTRY, ModelNgrams, kind
@@ -59,3 +61,20 @@ def test_spectra_drafts_the_tables_guess_after_the_core_and_prices_it_by_its_kin
     guesses = drafter.guesses(index, [5, 8])
     assert [(g.token_ids, g.kind) for g in guesses] == [([11], "backward:context2"), ([9, 10], "model:conf8")]
     assert drafter.state_bytes() >= 2 * BYTES_PER_ENTRY
+
+
+def test_a_resting_request_drafts_the_tables_guess_alone_scored_by_its_kind(monkeypatch):
+    from drafters.spectra import NgramDictionaries
+
+    drafter = SpectraDrafter(pool_size=0, model_ngrams=ModelNgrams({(8,): (9, 0.95), (9,): (10, 0.7)}))
+    req = SimpleNamespace(request_id="r", all_token_ids=[5, 8, 11, 5, 8])  # the backward dictionary would guess 11
+    drafter.begin(req)
+    monkeypatch.setattr(NgramDictionaries, "extend", lambda self, token_ids: pytest.fail("no catching up"))
+    (draft,) = drafter.propose_resting([req])
+    assert draft.token_ids == [9, 10] and draft.parents == [-1, 0]
+    assert draft.acceptance == [drafter.rates.rate("model:conf9", 1), drafter.rates.rate("model:conf9", 2)]
+    drafter.extend(req, [9])
+    assert drafter.rates.counts("model:conf9", 1) == (1, 1) and drafter.rates.counts("model:conf9", 2) == (0, 0)
+    core = SpectraDrafter(pool_size=0)
+    core.begin(req)
+    assert [len(d) for d in core.propose_resting([req])] == [0]  # spectra-core has no such guess

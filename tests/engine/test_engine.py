@@ -110,6 +110,26 @@ def test_spectra_drafting_from_the_model_ngrams_stays_exact(engines, monkeypatch
     assert sum(hits for _, hits in scored) > 0 and sum(tried - hits for tried, hits in scored) > 0
 
 
+def test_resting_requests_draft_the_model_ngrams_guess_alone_and_stay_exact(engines, monkeypatch):
+    """Every request rests from proposing (the gate told so): its drafts are the table's guesses alone, which the
+    planner verifies by their kinds' rates; accepted and rejected, the output stays `none`'s."""
+    engine = engines["spectra-planned"]
+    drafter = engine.speculation.drafter
+    monkeypatch.setattr(drafter, "model_ngrams", model_ngrams_of(engines["none"], prompts(6, seed=31)))
+    monkeypatch.setattr(engine.scheduler.gate, "proposes", lambda request_id: False)
+    monkeypatch.setattr(engine.scheduler.gate, "resting", lambda request_id: True)
+    monkeypatch.setattr(drafter, "guess_tree", None)  # the full proposal is never built
+    batch = prompts(6, seed=32)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * len(batch)
+    reference = run_to_completion(engines["none"], batch, params)
+    outputs = run_to_completion(engine, batch, params)
+    for i, prompt in enumerate(batch):
+        ref, out = reference[f"req-{i}"].new_token_ids, outputs[f"req-{i}"].new_token_ids
+        assert divergence_verdict(engines["none"].runner.model, prompt, ref, out) != "mismatch", i
+    assert sum(o.spec.num_accepted_tokens for o in outputs.values()) > 0
+    assert sum(o.spec.num_draft_tokens - o.spec.num_accepted_tokens for o in outputs.values()) > 0
+
+
 @pytest.mark.parametrize("drafter", ["copyspec", "ngram", "spectra"])
 def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(engines, drafter):
     batch = prompts(4, seed=3)

@@ -39,6 +39,20 @@ def test_a_verified_draft_ends_the_rest_and_empty_drafts_count_for_nothing():
     assert gate.proposes("other"), "requests rest apart"
 
 
+def test_a_draft_offered_while_resting_neither_ends_nor_lengthens_the_rest():
+    gate = DraftingGate()
+    for _ in range(DECLINES_TO_REST):
+        assert gate.proposes("r") and not gate.resting("r")
+        gate.record("r", num_drafted=3, num_verified=0)
+    assert not gate.proposes("r") and gate.resting("r")
+    gate.record("r", num_drafted=2, num_verified=2)  # what it offered resting was verified
+    assert not gate.proposes("r") and gate.resting("r"), "the rest goes on"
+    gate.record("r", num_drafted=2, num_verified=0)  # and declined
+    assert gate.proposes("r") and not gate.resting("r"), "and ends when it would have: FIRST_REST steps"
+    gate.record("r", num_drafted=3, num_verified=0)  # the probe declined: the next rest is twice as long
+    assert steps_until_proposing(gate) == 2 * FIRST_REST
+
+
 def decline_drafts(scheduler, req, count: int) -> None:
     """COUNT steps whose drafts the planner declines (drafts cost more than they yield), each proposed only when the
     scheduler lets the request draft."""
@@ -57,9 +71,9 @@ def test_the_scheduler_clears_the_draft_of_a_resting_request_and_lets_it_probe_l
     step(scheduler, scheduler.schedule(), [[8]])
     decline_drafts(scheduler, req, DECLINES_TO_REST)
     req.draft = Draft([1], "copyspec")  # left from before: a resting request must not carry it
-    assert scheduler.drafting([req]) == [] and req.draft is None
+    assert scheduler.drafting([req]) == [] and req.draft is None and scheduler.resting([req]) == [req]
     assert scheduler.drafting([req]) == [], "the first rest lasts FIRST_REST steps"
-    assert scheduler.drafting([req]) == [req], "then it probes"
+    assert scheduler.drafting([req]) == [req] and scheduler.resting([req]) == [], "then it probes"
 
 
 def test_nothing_rests_without_the_planner_or_beside_a_draft_model():
