@@ -352,11 +352,14 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
         kinds = node_kinds(guesses, paths, len(tree.token_ids))
         # scored against the target's tokens at the next extend
         self._proposed[request_id] = Proposal(guesses, tree.token_ids, tree.parents, kinds)
-        own = self._request_rates.get(request_id, RowRates())
-        estimates = own.estimates(list(zip(kinds, depths(tree.parents))), shared=self.rates)
         pool = self._pools.get(request_id)
-        return Draft(tree.token_ids, self.name, tree.parents, estimates, lookahead=pool.offered() if pool else (),
-                     lookahead_yield=self.lookahead_yield.per_row)
+        return Draft(tree.token_ids, self.name, tree.parents, self._estimates(request_id, kinds, tree.parents),
+                     lookahead=pool.offered() if pool else (), lookahead_yield=self.lookahead_yield.per_row)
+
+    def _estimates(self, request_id: str, kinds: list[str], parents: list[int]) -> list[float]:
+        """Each node's acceptance by its kind at its depth: the request's own rates first, shrunk towards all's."""
+        own = self._request_rates.get(request_id, RowRates())
+        return own.estimates(list(zip(kinds, depths(parents))), shared=self.rates)
 
     def propose_resting(self, reqs: Sequence[DraftableRequest]) -> list[Draft]:
         """A resting request's draft is the model n-grams' guess alone: one table lookup, no catching up of the
@@ -371,8 +374,7 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
         parents = chain_parents(len(tokens))
         kinds = [guess.kind] * len(tokens)
         self._proposed[request_id] = Proposal([guess], tokens, parents, kinds)
-        own = self._request_rates.get(request_id, RowRates())
-        return Draft(tokens, self.name, parents, own.estimates(list(zip(kinds, depths(parents))), shared=self.rates))
+        return Draft(tokens, self.name, parents, self._estimates(request_id, kinds, parents))
 
     def guesses(self, index: NgramDictionaries, token_ids: Sequence[int]) -> list[Guess]:
         """The guesses `guess_tree` takes, without their tree."""
