@@ -367,14 +367,18 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
         return [self._model_ngram_draft(req.request_id, self._corpora[req.request_id].corpus) for req in reqs]
 
     def _model_ngram_draft(self, request_id: str, token_ids: Sequence[int]) -> Draft:
-        tokens, confidence = self.model_ngrams.guess(token_ids) if self.model_ngrams is not None else ([], 0.0)
-        if not tokens:
+        guess = self._model_ngram_guess(token_ids)
+        if not guess.token_ids:
             return Draft([], self.name)
-        guess = Guess(tokens, model_kind(confidence), False)
-        parents = chain_parents(len(tokens))
-        kinds = [guess.kind] * len(tokens)
-        self._proposed[request_id] = Proposal([guess], tokens, parents, kinds)
-        return Draft(tokens, self.name, parents, self._estimates(request_id, kinds, parents))
+        parents = chain_parents(len(guess.token_ids))
+        kinds = [guess.kind] * len(parents)
+        self._proposed[request_id] = Proposal([guess], guess.token_ids, parents, kinds)
+        return Draft(guess.token_ids, self.name, parents, self._estimates(request_id, kinds, parents))
+
+    def _model_ngram_guess(self, token_ids: Sequence[int]) -> Guess:
+        """The model n-grams' guess after TOKEN_IDS, of its first token's confidence kind (no tokens: none)."""
+        tokens, confidence = self.model_ngrams.guess(token_ids) if self.model_ngrams is not None else ([], 0.0)
+        return Guess(tokens, model_kind(confidence), False)
 
     def guesses(self, index: NgramDictionaries, token_ids: Sequence[int]) -> list[Guess]:
         """The guesses `guess_tree` takes, without their tree."""
@@ -398,9 +402,7 @@ class SpectraDrafter(CorpusDrafter[NgramDictionaries]):
                      for source, index in (("traffic", self.traffic), ("corpus", self.corpus)) if index is not None
                      for tokens, match in index.search(token_ids, RETRIEVAL_GUESSES, LONG_RETRIEVAL_TOKENS)]
         self._take(retrieved, len(guesses) + RETRIEVAL_GUESSES, tree, guesses, paths)
-        if self.model_ngrams is not None:
-            tokens, confidence = self.model_ngrams.guess(token_ids)
-            self._take([Guess(tokens, model_kind(confidence), False)], len(guesses) + 1, tree, guesses, paths)
+        self._take([self._model_ngram_guess(token_ids)], len(guesses) + 1, tree, guesses, paths)
         # each guess taken covers at most one bigram row (the one starting with its first token)
         bigram = self._bigram_guesses(token_ids[-1], len(guesses) + self.bigram_guesses)
         self._take(bigram, len(guesses) + self.bigram_guesses, tree, guesses, paths)
