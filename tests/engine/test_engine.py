@@ -112,9 +112,15 @@ def test_spectra_drafting_from_the_model_ngrams_stays_exact(engines, monkeypatch
 
 def test_resting_requests_draft_the_model_ngrams_guess_alone_and_stay_exact(engines, monkeypatch):
     """Every request rests from proposing (the gate told so): its drafts are the table's guesses alone, which the
-    planner verifies by their kinds' rates; accepted and rejected, the output stays `none`'s."""
+    planner verifies by their kinds' rates, a verified row priced at 1 % of a step (the measured prices of the tiny
+    model's rows swing with the host's load); accepted and rejected, the output stays `none`'s."""
+    from scheduler.latency import LatencyModel, StepOverhead
+
     engine = engines["spectra-planned"]
     drafter = engine.speculation.drafter
+    monkeypatch.setattr(engine.scheduler, "latency", LatencyModel({1: 1.0, 101: 2.0}))
+    monkeypatch.setattr(engine.scheduler, "step_overhead", StepOverhead())
+    monkeypatch.setattr(engine.scheduler.step_overhead, "observe", lambda *args, **kwargs: None)
     monkeypatch.setattr(drafter, "model_ngrams", model_ngrams_of(engines["none"], prompts(6, seed=31)))
     monkeypatch.setattr(engine.scheduler.gate, "proposes", lambda request_id: False)
     monkeypatch.setattr(engine.scheduler.gate, "resting", lambda request_id: True)
