@@ -71,7 +71,7 @@ def calibrate_artifact(args: argparse.Namespace) -> None:
 
 
 def add_train_draft_parser(commands) -> None:
-    from engine.training import TrainOptions  # heavy: see build_parser
+    from engine.training import COMPANION, TrainOptions  # heavy: see build_parser
     from server.cli import add_engine_flags  # heavy: see build_parser
 
     train = commands.add_parser(
@@ -86,24 +86,33 @@ def add_train_draft_parser(commands) -> None:
     train.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens, help="tokens of each answer")
     train.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab,
                        help="draft vocabulary: the answer tokens seen most often")
-    train.add_argument("--intermediate-size", type=int, default=defaults.intermediate_size,
-                       help="the head's MLP width")
+    train.add_argument("--intermediate-size", type=int, default=None,
+                       help=f"the head's MLP width (default {defaults.intermediate_size}; a companion's "
+                            f"{COMPANION.intermediate_size})")
     train.add_argument("--epochs", type=int, default=defaults.epochs, help="passes over the training answers")
     train.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (AdamW, cosine)")
     train.add_argument("--ttt-steps", type=int, default=defaults.ttt_steps,
                        help="training-time test steps: drafted positions each answer is trained at")
-    train.add_argument("--seed", type=int, default=defaults.seed, help="prompts, sampled answers and training order")
+    train.add_argument("--seed", type=int, default=None, help="prompts, sampled answers and training order "
+                       f"(default {defaults.seed}; a companion's {COMPANION.seed})")
+    train.add_argument("--companion", action="store_true",
+                       help="train the companion head Speculative Verification scores a draft head's tokens with "
+                            "(--companion-model): narrower, and trained on the answers to other prompts")
     add_engine_flags(train)
     train.set_defaults(run=train_draft_head)
 
 
 def train_draft_head(args: argparse.Namespace) -> None:
-    from engine.training import TrainOptions, train_draft  # heavy: see build_parser
+    from engine.training import COMPANION, TrainOptions, train_draft  # heavy: see build_parser
     from server.cli import engine_config  # heavy: see build_parser
 
     logging.basicConfig(level=logging.INFO)
-    options = TrainOptions(args.out, args.num_prompts, args.max_new_tokens, args.draft_vocab, args.intermediate_size,
-                           args.epochs, args.lr, args.ttt_steps, args.seed, "specserve " + shlex.join(sys.argv[1:]))
+    defaults = COMPANION if args.companion else TrainOptions(args.out)
+    options = TrainOptions(
+        args.out, args.num_prompts, args.max_new_tokens, args.draft_vocab,
+        args.intermediate_size or defaults.intermediate_size, args.epochs, args.lr, args.ttt_steps,
+        defaults.seed if args.seed is None else args.seed, "specserve " + shlex.join(sys.argv[1:]),
+    )
     train_draft(engine_config(args, "none"), options)
 
 

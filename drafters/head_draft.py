@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 
 from drafters.base import CaptureSpec, Computed, Draft, DraftableRequest, common_prefix_len
-from drafters.model_draft import ModelDrafter
+from drafters.model_draft import ModelDrafter, overlap_and_acceptance
 
 # the head's next most likely tokens offered beside each token a greedy request drafts (EAGLE-2 expands its top 8-10
 # at the GPU's almost free rows; on a CPU a verified row costs ~8 % of a step, so only the likeliest few can pay)
@@ -90,12 +90,13 @@ class HeadDrafter(ModelDrafter):
     """A draft model's drafter whose model is a head: the target's states in, the head's own states carried from one
     drafted position to the next."""
 
-    def __init__(self, forward, max_tokens: int) -> None:
-        super().__init__(forward, max_tokens)
+    def __init__(self, forward, max_tokens: int, companion=None, tables: dict[bool, object] | None = None) -> None:
+        super().__init__(forward, max_tokens, companion, tables)
         self.captures: CaptureSpec = forward.captures
         self._kv: dict[str, HeadKV] = {}
         self._siblings: dict[str, list[list[int]]] = {}  # per request drafting this round, per drafted token
-        # per greedy request drafting this round, per drafted token: the head's probability of it, then of its siblings
+        # per request drafting this round, per drafted token: the estimate of its acceptance given its parent's (a
+        # greedy request's head probability of it, then of its siblings; with a companion, SV's estimate of it alone)
         self._confidence: dict[str, list[list[float]]] = {}
 
     def begin(self, req: DraftableRequest, state: object | None = None) -> None:
@@ -112,8 +113,10 @@ class HeadDrafter(ModelDrafter):
             self._kv[req.request_id].add_states(computed.start, computed.hidden_states)
 
     def extend(self, req: DraftableRequest, new_token_ids: Sequence[int]) -> None:
-        """Drafted entries are never kept (the next round reads the accepted tokens with the target's states)."""
+        """Drafted entries are never kept (the next round reads the accepted tokens with the target's states); the
+        companion's table learns each outcome."""
         state = self._states[req.request_id]
+        self._learn(req, state, new_token_ids)
         state.fed, state.drafted, state.scores = [], [], []
 
     def preempt(self, req: DraftableRequest) -> None:
@@ -133,27 +136,60 @@ class HeadDrafter(ModelDrafter):
         self, drafting: list[DraftableRequest], budgets: dict[str, int],
     ) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
         """The first forward reads each request's unread real tokens with the target's states (fused in one call for
-        the whole round); each next one a drafted token with the head's output before it."""
+        the whole round); each next one a drafted token with the head's output before it. A companion head runs the
+        same chains beside it, reading the same target states and its own outputs, and scores each drafted token."""
         drafted: dict[str, list[int]] = {req.request_id: [] for req in drafting}
         probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req in drafting}
         self._siblings, self._confidence = {}, {}
+        for req in drafting:
+            self._states[req.request_id].scores = []
         chains, states = zip(*map(self._catch_up, drafting)) if drafting else ((), ())
-        features = self.forward.fuse(torch.cat(states)).split([len(s) for s in states]) if states else ()
+        features = self._fused(self.forward, states)
+        scoring = self.companion.forward if self.companion and chains else None
+        companion_features = self._fused(scoring, states) if scoring else ()
         while chains:
             logits, outputs = self.forward.run(list(chains), list(features))
             tokens = [self._take(req, row[0], drafted, probs) for req, row in zip(drafting, logits)]
+            if scoring:
+                scores, companion_outputs = scoring.run(list(chains), list(companion_features))
+                for req, token, row in zip(drafting, tokens, scores):
+                    self._score(req, probs[req.request_id][-1], row[0], token)
             budgeted = [i for i, req in enumerate(drafting) if len(drafted[req.request_id]) < budgets[req.request_id]]
             going = self.forward.continuing([self._path_probability(drafting[i]) for i in budgeted])
             chosen = [i for i, goes in zip(budgeted, going) if goes]
             chains = [(drafting[i].request_id, [tokens[i]], len(drafting[i].all_token_ids) + len(
                 drafted[drafting[i].request_id]) - 1) for i in chosen]
             features = [outputs[i][None] for i in chosen]
+            companion_features = [companion_outputs[i][None] for i in chosen] if scoring else ()
             drafting = [drafting[i] for i in chosen]
         return drafted, probs
 
+    @staticmethod
+    def _fused(forward, states: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """Per chain, what its tokens read: the target's STATES through FORWARD's head, fused in one call."""
+        return forward.fuse(torch.cat(states)).split([len(s) for s in states]) if states else ()
+
+    def _score(self, req: DraftableRequest, q: torch.Tensor, companion_logits: torch.Tensor, token: int) -> None:
+        """SV's observation of a drafted TOKEN (q: its draft distribution over the target's vocabulary) against the
+        companion's distribution there, and its acceptance estimate: the companion table's where one is calibrated
+        (`specserve calibrate sv`), else A itself."""
+        companion = self.companion.forward
+        c = companion.probs(companion.target_logits(companion_logits), req.sampling)
+        s, a = (float(x) for x in overlap_and_acceptance(q[None], c[None], torch.tensor([token])))
+        self._states[req.request_id].scores.append((s, a))
+        table = self.tables.get(req.sampling.greedy)
+        self._confidence.setdefault(req.request_id, []).append([table.estimate(s, a) if table is not None else a])
+
+    def _companion_estimates(self, reqs: list[DraftableRequest]) -> dict[str, list[float]]:
+        """Per request, the estimates its drafted tokens were scored with as they were drafted (with a companion)."""
+        if self.companion is None:
+            return {}
+        return {req.request_id: [level[0] for level in self._confidence[req.request_id]] for req in reqs}
+
     def _path_probability(self, req: DraftableRequest) -> float:
-        """The head's probability of the request's whole chain so far (1 for a sampled request: its tokens are draws,
-        their acceptance is not their probability)."""
+        """The estimated probability that the request's whole chain so far is accepted: the head's probability of it
+        (1 for a sampled request without a companion: its tokens are draws, their acceptance is not their
+        probability), or SV's estimates with a companion."""
         return math.prod(level[0] for level in self._confidence.get(req.request_id, ()))
 
     def _draw(self, req: DraftableRequest, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:

@@ -23,17 +23,22 @@ def _copyspec(config: SpecConfig, context: DrafterContext) -> Drafter:
 
 
 def _draft(config: SpecConfig, context: DrafterContext) -> Drafter:
-    if context.draft_forward is None:
+    draft, companion = context.draft_forward, context.companion_forward
+    if draft is None:
         raise ValueError(f"--drafter {config.drafter} needs a draft model: "
                          "pass --draft-model (early-exit:N, a model or an EAGLE-3 head)")
-    if context.companion_forward is not None and not context.sv_tables:
+    if companion is not None and companion.is_head != draft.is_head:
+        raise ValueError("a companion scores a draft of its own kind: an EAGLE-3 head's companion is a head reading "
+                         "the same target layers (`specserve train-draft --companion`), a model's is a model")
+    if companion is not None and not context.sv_tables:
         logger.warning("no companion table for this draft and companion yet (`specserve calibrate sv`): the planner "
-                       "weighs drafted tokens by statistics only")
-    if context.draft_forward.is_head:
-        if context.companion_forward is not None:
-            raise ValueError("a companion model scores a draft model's tokens; an EAGLE-3 head's are not scored yet")
-        return HeadDrafter(context.draft_forward, config.num_draft_tokens)
-    return ModelDrafter(context.draft_forward, config.num_draft_tokens, context.companion_forward, context.sv_tables)
+                       "weighs drafted tokens by %s", "the companion's own A" if draft.is_head else "statistics only")
+    if draft.is_head:
+        if companion is not None and companion.target_layers != draft.target_layers:
+            raise ValueError(f"the companion head reads target layers {companion.target_layers}, the draft head "
+                             f"{draft.target_layers}: the target's forward keeps one set of states")
+        return HeadDrafter(draft, config.num_draft_tokens, companion, context.sv_tables)
+    return ModelDrafter(draft, config.num_draft_tokens, companion, context.sv_tables)
 
 
 def _copyspec_then_draft(config: SpecConfig, context: DrafterContext) -> Drafter:

@@ -36,9 +36,11 @@ def default_cache_dir() -> Path:
 @torch.no_grad()
 def weights_fingerprint(model: torch.nn.Module, weights: str) -> str:
     """16 hex digits naming the served weights: the config, how the Linear layers keep them (engine/model/weights.py),
-    the dtype and a sample of the token embedding."""
+    the dtype and a sample of the token embedding (of an EAGLE-3 head, which embeds with the target's: its own final
+    norm and draft vocabulary)."""
     digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
-    weight = model.get_input_embeddings().weight
+    weight = (torch.cat([model.model.norm.weight.float(), model.d2t.float()]) if hasattr(model, "d2t")
+              else model.get_input_embeddings().weight)
     digest.update(f"{weights} {weight.dtype}".encode())
     digest.update(weight[::FINGERPRINT_STRIDE].float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]

@@ -77,6 +77,7 @@ class Engine:
             LatencyModel(self.latency_profile, self.path_seconds_per_position), sessions=sessions,
             draft_latency=LatencyModel(self.draft_forward.latency_profile) if draft else None,
             companion_latency=LatencyModel(self.companion_forward.latency_profile) if companion else None,
+            companion_in_lockstep=bool(companion and self.companion_forward.is_head),
         )
         context = drafter_context(loaded, config.model, self.draft_forward, self.companion_forward)
         self.cache_dir, self.model_fingerprint = context.cache_dir, context.model_fingerprint

@@ -4,6 +4,7 @@ Drafting k tokens costs k draft-model forwards before the target verifies anythi
 first. Without the goodput planner every request drafts k (fixed-k); with it the batch drafts the depth d in 0..k
 with the best expected goodput over the whole next step, since the draft's forwards delay every request of the step:
     goodput(d) = (E + B (1 + sum_{i<=d} P_i)) / (target(N + B (1 + d)) + d draft(B) + companion(B d))
+(a companion head scores in lockstep with the draft head: d companion(B) in place of companion(B d));
 B: the requests about to draft with the model; P_i: the probability that the i-th drafted token is on the accepted
 path, averaged over them; target/draft/companion(n): a forward's latency over n tokens, the start-up profile plus the
 overhead real steps show (the target's StepOverhead, the draft's running mean per chain of a forward, learnt against
@@ -79,7 +80,7 @@ class ModelDraftBudget:
     def __init__(
         self, estimator: AcceptanceEstimator, blocks: KVBlockManager, max_model_len: int,
         target_seconds: Callable[[int], float] | None, draft_seconds: Callable[[int], float] | None,
-        companion_seconds: Callable[[int], float] | None = None,
+        companion_seconds: Callable[[int], float] | None = None, companion_in_lockstep: bool = False,
     ) -> None:
         self.estimator = estimator
         self.blocks = blocks
@@ -87,6 +88,8 @@ class ModelDraftBudget:
         self.target_seconds = target_seconds  # None: no planner, every request drafts the most it may
         self.draft_seconds = draft_seconds  # the start-up profile
         self.companion_seconds = companion_seconds or (lambda num_tokens: 0.0)
+        # a companion head runs beside each draft forward (drafters/head_draft.py); a companion model once over all
+        self.companion_in_lockstep = companion_in_lockstep
         # measured drafting time beyond the predicted, per chain a forward carries (the drafter's own work per request,
         # reading its states, drawing its token, building its draft, grows with the batch): the plain mean of the first
         # rounds, then a running mean, so that the first rounds price the next decisions at once (a head's round of 16
@@ -294,6 +297,8 @@ class ModelDraftBudget:
             return 0.0
         overhead = self.draft_overhead_seconds if overhead is None else overhead
         per_forward = max(self.draft_seconds(batch) + batch * overhead, 1e-6)
+        if self.companion_in_lockstep:
+            return depth * (per_forward + self.companion_seconds(batch))
         return depth * per_forward + self.companion_seconds(batch * depth)
 
     def _rest(self, beside: Sequence[tuple[Request, Draft]]) -> tuple[int, float]:

@@ -40,6 +40,7 @@ class Scheduler:
         sessions: SessionStore | None = None,
         draft_latency: LatencyModel | None = None,
         companion_latency: LatencyModel | None = None,
+        companion_in_lockstep: bool = False,
     ) -> None:
         self.config = config
         self.max_model_len = max_model_len
@@ -55,7 +56,7 @@ class Scheduler:
         planned = bool(latency and config.use_goodput_planner)
         self.model_drafts = ModelDraftBudget(
             self.estimator, blocks, max_model_len, self._step_seconds if planned else None, draft_latency,
-            companion_latency,
+            companion_latency, companion_in_lockstep,
         )
         # context drafters rest while the planner declines their drafts; a draft model has its own budget
         self.gate = DraftingGate() if planned and draft_latency is None else None

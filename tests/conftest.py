@@ -101,13 +101,22 @@ def tiny_other_vocab_dir(tmp_path_factory) -> str:
 def tiny_head_dir(tmp_path_factory) -> str:
     """A random EAGLE-3 head for the tiny model, written by hand in the public layout (SpecForge's names, vLLM's
     config keys): its draft vocabulary is every other token id, so half the target's tokens are never drafted."""
+    return _write_tiny_head(tmp_path_factory.mktemp("tiny-eagle3-head"), 4321, torch.arange(0, TINY_VOCAB, 2))
+
+
+@pytest.fixture(scope="session")
+def tiny_companion_head_dir(tmp_path_factory) -> str:
+    """Another random head, for SV's companion: other weights and another draft vocabulary (every third id)."""
+    return _write_tiny_head(tmp_path_factory.mktemp("tiny-eagle3-companion"), 8765, torch.arange(0, TINY_VOCAB, 3))
+
+
+def _write_tiny_head(path, seed: int, draft_ids: torch.Tensor) -> str:
     import json
 
     from safetensors.torch import save_file
 
-    torch.manual_seed(4321)
+    torch.manual_seed(seed)
     hidden, inner, heads, kv_heads, head_dim = 32, 64, 4, 2, 8
-    draft_ids = torch.arange(0, TINY_VOCAB, 2)
     tensors = {
         "fc.weight": torch.randn(hidden, 3 * hidden) * 0.2,
         "midlayer.input_layernorm.weight": torch.ones(hidden),
@@ -132,7 +141,6 @@ def tiny_head_dir(tmp_path_factory) -> str:
         "draft_vocab_size": len(draft_ids), "max_position_embeddings": 1024, "tie_word_embeddings": False,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 1, 2]},  # the tiny target has two layers
     }
-    path = tmp_path_factory.mktemp("tiny-eagle3-head")
     save_file(tensors, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(config))
     return str(path)

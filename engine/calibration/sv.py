@@ -13,6 +13,9 @@ Profiling (`specserve calibrate sv`) is teacher-forced on prompts of no benchmar
 the target answers each prompt; one forward each of target, draft and companion over prompt + answer gives every
 position's distributions, and a drafted token is drawn from q (temperature 1) or is q's argmax (greedy). Given an
 accepted prefix a drafted token sees exactly the target's context, so each position is one token of plain speculation.
+EAGLE-3 heads (a draft head and its companion head) draft from the target's states and then from their own outputs,
+so each is run as it trains (engine/training/ttt.py): at every answer position, the tokens at depths 1..k of a chain
+whose earlier tokens were accepted (the target's own, teacher-forced), each head reading its own outputs from depth 2.
 """
 from __future__ import annotations
 
@@ -30,7 +33,9 @@ from engine.calibration.prompts import CALIBRATION_PROMPTS, CHAT_PROMPTS, chat_p
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model.draft_model import DraftForward
+from engine.model.eagle3 import load_eagle3_head
 from engine.model.tokenizer import load_tokenizer
+from engine.sampler import target_probs
 from engine.wire import SamplingParams
 
 ENTROPY_BINS = 10  # the acceptance probability is discretised into this many equal bins for its entropy (SV Table 2)
@@ -84,6 +89,71 @@ def teacher_forced_tokens(target, draft, companion, prompt: list[int], answer: l
     return {"S": s, "A": a, "accepted": accepted}
 
 
+def _model_observations(engine, prompts: list[list[int]], answered: list[list[int]], params, generator) -> list[dict]:
+    models = (engine.runner.model, engine.draft_forward.runner.model, engine.companion_forward.runner.model)
+    with plain_attention(models):
+        return [teacher_forced_tokens(*models, prompt, answer, params, generator)
+                for prompt, answer in zip(prompts, answered)]
+
+
+def _head_observations(engine, prompts: list[list[int]], answered: list[list[int]], params, generator) -> list[dict]:
+    """The heads' observations, each head loaded afresh in float32 from its folder (serving may keep its weights in
+    another form)."""
+    target = engine.runner.model
+    heads = [load_eagle3_head(forward.name, target.get_input_embeddings(), torch.float32, torch.device("cpu"))
+             for forward in (engine.draft_forward, engine.companion_forward)]
+    with plain_attention((target,)):
+        return [head_teacher_forced_tokens(target, *heads, engine.draft_forward.target_layers, prompt, answer,
+                                           params, generator, engine.num_draft_tokens)
+                for prompt, answer in zip(prompts, answered) if answer]
+
+
+@torch.inference_mode()
+def head_teacher_forced_tokens(
+    target, draft, companion, layers: tuple[int, ...], prompt: list[int], answer: list[int], params, generator,
+    depth: int,
+) -> dict:
+    """As `teacher_forced_tokens`, for a draft head and its companion head reading the target's states at LAYERS,
+    at each depth 1..DEPTH of a chain (each depth's tokens drafted given the target's tokens before them)."""
+    from engine.training.data import Sample  # engine/training/ imports this package: imported when used
+    from engine.training.ttt import head_steps
+
+    ids = torch.tensor(prompt + answer)
+    out = target(input_ids=ids[None], output_hidden_states=True)
+    states = torch.cat([out.hidden_states[layer][0] for layer in layers], dim=-1)
+    sample = Sample(ids, len(prompt), states, torch.empty(0), torch.empty(0))
+    p_logits = out.logits[0].float()
+    by_head = [head_steps(head, sample, depth) for head in (draft, companion)]
+    observed = {"S": [], "A": [], "accepted": []}
+    for step, (q_logits, c_logits) in enumerate(zip(*by_head)):
+        rows = torch.arange(len(prompt) - 1, len(ids) - step - 1)  # chains of answer tokens
+        if not len(rows):
+            continue
+        p = _processed(p_logits[rows + step], params)
+        q, c = (_processed(_widened(head, logits[rows]), params) for head, logits in ((draft, q_logits),
+                                                                                     (companion, c_logits)))
+        tokens = q.argmax(-1) if params.greedy else torch.multinomial(q, 1, generator=generator)[:, 0]
+        s, a = overlap_and_acceptance(q, c, tokens)
+        picked = torch.arange(len(tokens))
+        accepted = ((p.argmax(-1) == tokens).float() if params.greedy
+                    else (p[picked, tokens] / q[picked, tokens]).clamp(max=1.0))
+        for key, value in zip(("S", "A", "accepted"), (s, a, accepted)):
+            observed[key].append(value)
+    return {key: torch.cat(values) for key, values in observed.items()}
+
+
+def _widened(head, logits: torch.Tensor) -> torch.Tensor:
+    """[n, draft vocab] -> [n, target vocab], -inf outside the head's draft vocabulary."""
+    full = logits.new_full((len(logits), head.config.vocab_size), float("-inf"))
+    full[:, head.target_ids] = logits
+    return full
+
+
+def _processed(logits: torch.Tensor, params) -> torch.Tensor:
+    """[n, vocab] -> the distributions a request with PARAMS samples from (a plain softmax when greedy)."""
+    return torch.softmax(logits.float(), dim=-1) if params.greedy else target_probs(logits, params)
+
+
 def _plain_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """[positions, vocab] logits of a plain forward (within `plain_attention`)."""
     with torch.inference_mode():
@@ -99,10 +169,8 @@ def calibrate_sv(
     params = SamplingParams(temperature=0.0 if greedy else SAMPLED_TEMPERATURE, max_tokens=max_tokens, seed=seed)
     answered = answers(engine, prompts, [msgspec.structs.replace(params, seed=seed + i) for i in range(len(prompts))])
     generator = torch.Generator().manual_seed(seed)
-    models = (engine.runner.model, engine.draft_forward.runner.model, engine.companion_forward.runner.model)
-    with plain_attention(models):
-        observed = [teacher_forced_tokens(*models, prompt, answer, params, generator)
-                    for prompt, answer in zip(prompts, answered)]
+    observe = _head_observations if engine.draft_forward.is_head else _model_observations
+    observed = observe(engine, prompts, answered, params, generator)
     fit_half, test_half = (_joined(observed[start::2]) for start in (0, 1))
     half_table = SvTable.fit(fit_half["S"], fit_half["A"], fit_half["accepted"])
     report = evaluate(half_table, test_half, generator)

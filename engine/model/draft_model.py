@@ -11,7 +11,8 @@ Two kinds:
   the target's vocabulary.
 - an EAGLE-3 head (a folder in that public layout, engine/model/eagle3.py): one layer that
   reads the target's own hidden states, with a one-layer pool of its own like a separate
-  model's, drafting over a reduced vocabulary that `HeadForward` maps to the target's.
+  model's, drafting over a reduced vocabulary that `HeadForward` maps to the target's. A
+  second head can be a draft head's companion (SV), scoring each token it drafts.
 
 A draft model only ever proposes: whatever its KV holds can cost acceptance, never
 exactness (the target verifies every drafted token).
@@ -87,9 +88,8 @@ def load_draft_model(spec: str, target: LoadedModel, config: ModelConfig, role: 
 
 def _load_head(path: str, target: LoadedModel, role: str) -> DraftModel:
     """An EAGLE-3 head for TARGET, in float32 on a CPU (the target's dtype on a GPU), embedding with the target's
-    embedding; refused where its vocabulary, hidden size or layers do not fit the target."""
-    if role != "draft":
-        raise ValueError(f"an EAGLE-3 head drafts; it cannot be the {role} model")
+    embedding; refused where its vocabulary, hidden size or layers do not fit the target. As ROLE companion it scores
+    a draft head's tokens (drafters/head_draft.py)."""
     config = target.model.config
     dtype = torch.float32 if target.device.type == "cpu" else next(target.model.parameters()).dtype
     head = load_eagle3_head(path, target.model.get_input_embeddings(), dtype, target.device)
@@ -98,10 +98,10 @@ def _load_head(path: str, target: LoadedModel, role: str) -> DraftModel:
         head.make_lean()
     target_hidden = getattr(head.config, "target_hidden_size", None) or head.config.hidden_size
     if head.config.vocab_size != config.vocab_size or int(head.target_ids.max()) >= config.vocab_size:
-        raise ValueError(f"the head {path!r} drafts for a vocabulary of {head.config.vocab_size} tokens and the target "
-                         f"has {config.vocab_size}: a head must be trained for the target's tokenizer")
+        raise ValueError(f"the {role} head {path!r} is for a vocabulary of {head.config.vocab_size} tokens and the "
+                         f"target has {config.vocab_size}: a head must be trained for the target's tokenizer")
     if target_hidden != config.hidden_size or head.config.hidden_size != config.hidden_size:
-        raise ValueError(f"the head {path!r} reads hidden states of size {target_hidden} and embeds at "
+        raise ValueError(f"the {role} head {path!r} reads hidden states of size {target_hidden} and embeds at "
                          f"{head.config.hidden_size}; the target's are {config.hidden_size}")
     aux_layers(head.config, config.num_hidden_layers)  # refuses layers the target does not have
     return DraftModel(path, head, shares_target_kv=False)

@@ -4,6 +4,6 @@
 imports."""
 from __future__ import annotations
 
-from engine.training.train import TrainOptions, train_draft
+from engine.training.train import COMPANION, TrainOptions, train_draft
 
-__all__ = ["TrainOptions", "train_draft"]
+__all__ = ["COMPANION", "TrainOptions", "train_draft"]

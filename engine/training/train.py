@@ -51,6 +51,12 @@ class TrainOptions:
     command: str = ""
 
 
+# Speculative Verification's companion for a head trained with the defaults: half its MLP width, so that scoring costs
+# less than drafting, trained on the answers to other prompts (the seed picks them), so that where the two heads
+# disagree says something about the draft's errors (SV's companion is a model apart from the draft)
+COMPANION = TrainOptions(Path("."), intermediate_size=512, seed=1)
+
+
 def train_draft(config: EngineConfig, options: TrainOptions) -> None:
     torch.manual_seed(options.seed)
     engine = Engine(replace(config, spec=replace(config.spec, drafter="none")))

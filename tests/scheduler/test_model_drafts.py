@@ -1,4 +1,6 @@
 """How many tokens requests draft with a model: the batch's depth by expected goodput, blocks reserved for them."""
+import pytest
+
 from drafters.base import Draft
 from engine.wire import SamplingParams
 from scheduler.acceptance import TreeAcceptance
@@ -266,3 +268,18 @@ def test_a_draft_models_overhead_is_learnt_per_chain_so_a_larger_batch_is_priced
     assert abs(model_drafts.draft_overhead_seconds - 0.001) < 1e-5
     assert abs(model_drafts._drafting_seconds(1, 16) - (draft(16) + 0.016)) < 2e-4
     assert abs(model_drafts._drafting_seconds(1, 1) - (draft(1) + 0.001)) < 1e-5
+
+
+def test_a_companion_model_is_priced_once_over_the_drafted_tokens_and_a_companion_head_at_each_forward():
+    """A companion model scores every drafted token in one forward after drafting; a companion head runs beside each
+    of the draft head's forwards (drafters/head_draft.py), so d forwards of B tokens, each with its fixed cost."""
+    blocks = KVBlockManager(num_blocks=64, block_size=16)
+    companion = linear(0.001, 0.01)
+    once = ModelDraftBudget(TreeAcceptance(0.9, 1e6), blocks, 1024, linear(0.001, 0.1), linear(0.0001, 0.001),
+                            companion)
+    lockstep = ModelDraftBudget(TreeAcceptance(0.9, 1e6), blocks, 1024, linear(0.001, 0.1), linear(0.0001, 0.001),
+                                companion, companion_in_lockstep=True)
+    draft = 3 * (0.001 + 0.0001 * 4)
+    assert once._drafting_seconds(3, 4) == pytest.approx(draft + companion(12))
+    assert lockstep._drafting_seconds(3, 4) == pytest.approx(draft + 3 * companion(4))
+    assert lockstep._drafting_seconds(0, 4) == 0.0

@@ -6,9 +6,11 @@ import torch
 from drafters.config import SpecConfig
 from drafters.model_draft import overlap_and_acceptance
 from engine.artifacts import SvTable, equal_frequency_edges, load_sv_tables, sv_fingerprints, sv_table_path
-from engine.calibration.sv import brier, calibrate_sv, information_gain_table
+from engine.calibration.answers import plain_attention
+from engine.calibration.sv import brier, calibrate_sv, head_teacher_forced_tokens, information_gain_table
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
+from engine.model.eagle3 import load_eagle3_head
 from engine.wire import SamplingParams
 from scheduler.config import SchedulerConfig, SessionConfig
 from tests.engine.helpers import run_to_completion
@@ -113,3 +115,40 @@ def test_a_companion_needs_a_draft_model(tiny_model_dir):
     with pytest.raises(ValueError, match="--draft-model"):
         Engine(EngineConfig(model=ModelConfig(model=tiny_model_dir, device="cpu", companion_model="early-exit:1"),
                             cache=CacheConfig(0.05), spec=SpecConfig(drafter="none")))
+
+
+def test_calibration_of_a_head_and_its_companion_head_fits_the_table_serving_scores_head_drafts_with(
+    tiny_model_dir, tiny_head_dir, tiny_companion_head_dir, tmp_path,
+):
+    """Heads are profiled as they draft: every answer position at depths 1..k, each head reading its own outputs past
+    depth 1 (engine/calibration/sv.py); the table then gives the estimates a head's drafts carry, and learns online."""
+    from tests.engine.model.test_eagle3 import companion_engine
+
+    engine = companion_engine(tiny_model_dir, tiny_head_dir, tiny_companion_head_dir, cache_dir=str(tmp_path))
+    target, layers = engine.runner.model, engine.draft_forward.target_layers
+    heads = [load_eagle3_head(path, target.get_input_embeddings(), torch.float32, torch.device("cpu"))
+             for path in (tiny_head_dir, tiny_companion_head_dir)]
+    with plain_attention((target,)):
+        observed = head_teacher_forced_tokens(target, *heads, layers, prompts(1, seed=23)[0], list(range(3, 13)),
+                                              SamplingParams(temperature=0.0), None, depth=4)
+    # 10 answer tokens, at depths 1..4: a depth-d token is drafted after d - 1 answer tokens accepted
+    assert len(observed["S"]) == len(observed["A"]) == len(observed["accepted"]) == 10 + 9 + 8 + 7
+    assert set(observed["accepted"].tolist()) <= {0.0, 1.0} and 0.0 <= float(observed["S"].min())
+
+    table, report = calibrate_sv(engine, prompts(3, seed=23), max_tokens=16, greedy=True)
+    assert table.meta["num_tokens"] > 0
+    assert 0.0 <= report["brier_companion"] <= 1.0 and 0.0 <= report["brier_statistical"] <= 1.0
+    table.save(sv_table_path(engine.cache_dir, sv_fingerprints(
+        engine.model_fingerprint, engine.draft_forward, engine.companion_forward), greedy=True))
+
+    serving = companion_engine(tiny_model_dir, tiny_head_dir, tiny_companion_head_dir, cache_dir=str(tmp_path))
+    drafter = serving.speculation.drafter
+    assert set(drafter.tables) == {True}
+    estimates = []
+    score = drafter._score
+    drafter._score = lambda req, q, logits, token: score(req, q, logits, token) or estimates.append(
+        drafter._confidence[req.request_id][-1][0])
+    run_to_completion(serving, prompts(2, seed=24),
+                      [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * 2)
+    assert estimates and all(0.0 < value < 1.0 for value in estimates), "table estimates, not A (often 0 or 1)"
+    assert sum(sum(row) for row in drafter.tables[True].counts) > table.meta["num_tokens"], "learnt online"

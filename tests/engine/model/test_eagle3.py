@@ -1,6 +1,7 @@
 """EAGLE-3 heads as draft models (engine/model/eagle3.py, drafters/head_draft.py): a head written in the public layout
 loads and drafts, greedy output stays the target's, what the head reads, the layout it writes, what start-up refuses."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,14 +182,78 @@ def test_a_head_the_target_cannot_feed_is_refused(tiny_model_dir, tiny_head_dir,
         draft_engine(tiny_model_dir, str(tmp_path))
 
 
-def test_a_head_is_not_a_companion(tiny_model_dir, tiny_head_dir, tiny_draft_model_dir):
-    with pytest.raises(ValueError, match="cannot be the companion"):
-        Engine(EngineConfig(
-            model=ModelConfig(model=tiny_model_dir, device="cpu", draft_model=tiny_draft_model_dir,
-                              companion_model=tiny_head_dir),
-            cache=CacheConfig(SMALL_POOL), scheduler=SchedulerConfig(max_num_seqs=2),
-            spec=SpecConfig(drafter="draft"), sessions=SessionConfig(mode="off"),
-        ))
+def companion_engine(model_dir, draft_model, companion_model, planner=False, cache_dir=None) -> Engine:
+    return Engine(EngineConfig(
+        model=ModelConfig(model=model_dir, device="cpu", draft_model=draft_model, companion_model=companion_model,
+                          cache_dir=cache_dir),
+        cache=CacheConfig(SMALL_POOL), scheduler=SchedulerConfig(max_num_seqs=8, use_goodput_planner=planner),
+        spec=SpecConfig(drafter="draft", num_draft_tokens=4), sessions=SessionConfig(mode="off"),
+    ))
+
+
+@pytest.mark.parametrize("kinds", ["model draft, head companion", "head draft, early-exit companion"])
+def test_a_companion_of_another_kind_than_its_draft_is_refused(
+    tiny_model_dir, tiny_head_dir, tiny_draft_model_dir, kinds,
+):
+    draft, companion = ((tiny_draft_model_dir, tiny_head_dir) if kinds.startswith("model")
+                        else (tiny_head_dir, "early-exit:1"))
+    with pytest.raises(ValueError, match="of its own kind"):
+        companion_engine(tiny_model_dir, draft, companion)
+
+
+def test_a_companion_head_reading_other_target_layers_is_refused(
+    tiny_model_dir, tiny_head_dir, tiny_companion_head_dir, tmp_path,
+):
+    for name in ("model.safetensors", "config.json"):
+        (tmp_path / name).write_bytes((Path(tiny_companion_head_dir) / name).read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 2]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="target layers"):
+        companion_engine(tiny_model_dir, tiny_head_dir, str(tmp_path))
+
+
+def test_a_companion_head_scores_each_token_the_head_drafts_and_greedy_output_stays_the_targets(
+    plain, tiny_model_dir, tiny_head_dir, tiny_companion_head_dir,
+):
+    """SV with heads: the companion runs beside each of the head's forwards and each drafted token carries its
+    estimate (without a calibrated table, A = min(1, c(x) / q(x))); chains, no siblings; output unchanged."""
+    engine = companion_engine(tiny_model_dir, tiny_head_dir, tiny_companion_head_dir)
+    drafter = engine.speculation.drafter
+    assert drafter.companion is not None and engine.scheduler.model_drafts.companion_in_lockstep
+    drafts = recorded_drafts(engine)
+    runs = {"draft": [], "companion": []}  # the chains of each forward, by model
+    for name, forward in (("draft", engine.draft_forward), ("companion", engine.companion_forward)):
+        forward.run = lambda chains, features, run=forward.run, name=name: runs[name].append(chains) or run(
+            chains, features)
+    outputs = assert_greedy_outputs_equal(plain, engine, prompts(4, seed=5), max_tokens=30)
+    assert sum(o.spec.num_draft_tokens for o in outputs.values()) > 0, "the head must have drafted"
+    assert drafts and all(draft.parents == chain_parents(len(draft)) for draft in drafts)
+    assert all(len(draft.acceptance) == len(draft) and all(0.0 <= a <= 1.0 for a in draft.acceptance)
+               for draft in drafts)
+    assert len({a for draft in drafts for a in draft.acceptance}) > 1, "each token scored by its own (S, A)"
+    assert runs["draft"] and runs["companion"] == runs["draft"], "the companion runs each of the head's forwards"
+
+
+def test_a_companion_heads_score_is_svs_overlap_and_acceptance_of_the_two_heads_distributions(
+    tiny_model_dir, tiny_head_dir, tiny_companion_head_dir,
+):
+    """One drafting round by hand: the drafted token's (S, A) equal SV's formulas over the two heads' distributions
+    widened to the target's vocabulary (each head gives 0 outside its own draft vocabulary)."""
+    engine = companion_engine(tiny_model_dir, tiny_head_dir, tiny_companion_head_dir)
+    drafter = engine.speculation.drafter
+    drafts = recorded_drafts(engine)
+    scored = []
+    score = drafter._score
+    drafter._score = lambda req, q, logits, token: scored.append((q, logits, token)) or score(req, q, logits, token)
+    run_to_completion(engine, prompts(1, seed=3), [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)])
+    assert drafts and scored
+    q, logits, token = scored[0]
+    c = torch.full((TINY_VOCAB,), 0.0)
+    c[torch.arange(0, TINY_VOCAB, 3)] = torch.softmax(logits.float(), dim=-1)
+    s, a = float(torch.minimum(q, c).sum()), min(1.0, float(c[token] / q[token]))
+    assert drafts[0].acceptance[0] == pytest.approx(a, abs=1e-6) and 0.0 <= s <= 1.0
+    assert q[1::2].sum() == 0 and c[1::3].sum() == 0
 
 
 def test_a_written_head_keeps_the_public_layout(tiny_head_dir, tmp_path):

@@ -165,3 +165,19 @@ def test_self_written_prompts_keep_messages_the_model_ended_with_enough_words_on
     assert all(prompt == user_turn_prefix(tokenizer) for prompts, _ in calls for prompt in prompts)
     seeds = [p.seed for _, params in calls for p in params]
     assert len(set(seeds)) == len(seeds) and all(p.temperature == 1.0 for _, params in calls for p in params)
+
+
+def test_train_draft_companion_trains_a_narrower_head_on_other_prompts_unless_told_otherwise(monkeypatch, tmp_path):
+    """`specserve train-draft --companion`: the companion's MLP width and seed, each still overridable by its flag."""
+    import specserve
+    from engine import training
+    from engine.training import COMPANION, TrainOptions
+
+    seen = []
+    monkeypatch.setattr(training, "train_draft", lambda config, options: seen.append(options))
+    for extra in ([], ["--companion"], ["--companion", "--seed", "7", "--intermediate-size", "96"]):
+        specserve.main(["train-draft", "--out", str(tmp_path), *extra])
+    default, companion, told = ((o.intermediate_size, o.seed) for o in seen)
+    assert default == (TrainOptions(tmp_path).intermediate_size, TrainOptions(tmp_path).seed)
+    assert companion == (COMPANION.intermediate_size, COMPANION.seed) != default
+    assert told == (96, 7)
