@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 
 from drafters.base import CaptureSpec, Computed, Draft, DraftableRequest, common_prefix_len
-from drafters.model_draft import ModelDrafter, overlap_and_acceptance
+from drafters.model_draft import ModelDrafter
 
 # the head's next most likely tokens offered beside each token a greedy request drafts (EAGLE-2 expands its top 8-10
 # at the GPU's almost free rows; on a CPU a verified row costs ~8 % of a step, so only the likeliest few can pay)
@@ -171,11 +171,14 @@ class HeadDrafter(ModelDrafter):
 
     def _score(self, req: DraftableRequest, q: torch.Tensor, companion_logits: torch.Tensor, token: int) -> None:
         """SV's observation of a drafted TOKEN (q: its draft distribution over the target's vocabulary) against the
-        companion's distribution there, and its acceptance estimate: the companion table's where one is calibrated
-        (`specserve calibrate sv`), else A itself."""
+        companion's distribution c, and its acceptance estimate: the companion table's where one is calibrated
+        (`specserve calibrate sv`), else A itself. c is 0 outside the companion's draft vocabulary, so both sums run
+        over that vocabulary alone: S = sum min(q, c) there, A = min(1, c(x) / q(x))."""
         companion = self.companion.forward
-        c = companion.probs(companion.target_logits(companion_logits), req.sampling)
-        s, a = (float(x) for x in overlap_and_acceptance(q[None], c[None], torch.tensor([token])))
+        c = companion.probs(companion_logits, req.sampling)  # processed over its draft vocabulary: -inf elsewhere
+        s = float(torch.minimum(q[companion.target_ids], c).sum())
+        draft_id = int(companion.draft_ids[token])
+        a = min(1.0, float(c[draft_id]) / max(float(q[token]), 1e-12)) if draft_id >= 0 else 0.0
         self._states[req.request_id].scores.append((s, a))
         table = self.tables.get(req.sampling.greedy)
         self._confidence.setdefault(req.request_id, []).append([table.estimate(s, a) if table is not None else a])

@@ -220,6 +220,8 @@ class HeadForward(DraftForward):
         self.state_size = 3 * target_config.hidden_size  # the target's states a head entry reads, concatenated
         self.vocab_size = target_config.vocab_size
         self.target_ids = head.target_ids.cpu()
+        self.draft_ids = torch.full((self.vocab_size,), -1, dtype=torch.long)  # target id -> draft id, -1 outside
+        self.draft_ids[self.target_ids] = torch.arange(len(self.target_ids))
         lean = (head.lean is not None and skips_masked_keys(runner.device)
                 and head.dtype == runner.pool.keys.dtype == torch.float32)
         self.layout = HeadLayout(blocks.block_size) if lean else None
