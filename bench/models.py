@@ -242,4 +242,9 @@ def calibration_markdown(calibration: dict | None) -> list[str]:
         lines.append(f"| {mode} | {r['num_tokens']} | {r['brier_companion']:.4f} | {r['brier_statistical']:.4f} | "
                      f"{g['entropy']:.3f} | {g['given_S']:.3f} | {g['given_A']:.3f} | {g['given_S_and_A']:.3f} | "
                      f"{g['information_gain']:.3f} ({g['information_gain_share']:.0%}) |")
+    if "brier_draft_probability" in calibration["greedy"]:  # heads: two more estimators on the same tokens
+        lines += ["", "| decoding | Brier statistical by depth | Brier draft head's probability |",
+                  "| --- | --- | --- |"]
+        lines += [f"| {mode} | {calibration[mode]['brier_statistical_by_depth']:.4f} | "
+                  f"{calibration[mode]['brier_draft_probability']:.4f} |" for mode in ("greedy", "sampled")]
     return lines

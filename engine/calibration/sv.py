@@ -124,7 +124,7 @@ def head_teacher_forced_tokens(
     sample = Sample(ids, len(prompt), states, torch.empty(0), torch.empty(0))
     p_logits = out.logits[0].float()
     by_head = [head_steps(head, sample, depth) for head in (draft, companion)]
-    observed = {"S": [], "A": [], "accepted": []}
+    observed = {"S": [], "A": [], "accepted": [], "depth": [], "Q": []}
     for step, (q_logits, c_logits) in enumerate(zip(*by_head)):
         rows = torch.arange(len(prompt) - 1, len(ids) - step - 1)  # chains of answer tokens
         if not len(rows):
@@ -137,7 +137,8 @@ def head_teacher_forced_tokens(
         picked = torch.arange(len(tokens))
         accepted = ((p.argmax(-1) == tokens).float() if params.greedy
                     else (p[picked, tokens] / q[picked, tokens]).clamp(max=1.0))
-        for key, value in zip(("S", "A", "accepted"), (s, a, accepted)):
+        depth = torch.full_like(s, step + 1)
+        for key, value in zip(observed, (s, a, accepted, depth, q[picked, tokens])):
             observed[key].append(value)
     return {key: torch.cat(values) for key, values in observed.items()}
 
@@ -173,31 +174,40 @@ def calibrate_sv(
     observed = observe(engine, prompts, answered, params, generator)
     fit_half, test_half = (_joined(observed[start::2]) for start in (0, 1))
     half_table = SvTable.fit(fit_half["S"], fit_half["A"], fit_half["accepted"])
-    report = evaluate(half_table, test_half, generator)
+    report = evaluate(half_table, test_half, generator, fit_half)
     everything = _joined(observed)
     return SvTable.fit(
         everything["S"], everything["A"], everything["accepted"], {"greedy": greedy, "num_tokens": len(everything["S"])}
     ), report
 
 
-def evaluate(table: SvTable, observed: dict, generator: torch.Generator) -> dict:
+def evaluate(table: SvTable, observed: dict, generator: torch.Generator, fitted: dict | None = None) -> dict:
     """Brier scores of the companion table and of the statistical estimate (the profiling run's mean acceptance) on
-    OBSERVED tokens, against their acceptance probability and against accept/reject draws of it."""
+    OBSERVED tokens, against their acceptance probability and against accept/reject draws of it. Heads' observations
+    also carry each token's depth and the draft head's own probability of it, so two more estimators are scored:
+    the mean acceptance at each depth of the FITTED tokens (the serving statistics' form), and the head's probability
+    (what a head's drafts carry without a companion; an estimate of a greedy token's acceptance only)."""
     estimates = torch.tensor([table.estimate(s, a) for s, a in zip(observed["S"].tolist(), observed["A"].tolist())])
     statistical = torch.full_like(estimates, table.mean)
     accepted = observed["accepted"]
     draws = (torch.rand(len(accepted), generator=generator) < accepted).float()
-    return {
+    report = {
         "num_tokens": len(accepted),
         "brier_companion": brier(estimates, accepted), "brier_statistical": brier(statistical, accepted),
         "brier_companion_vs_outcomes": brier(estimates, draws),
         "brier_statistical_vs_outcomes": brier(statistical, draws),
-        "information_gain": information_gain_table(accepted, observed["S"], observed["A"], table),
     }
+    if "depth" in observed and fitted is not None:
+        by_depth = {int(d): float(fitted["accepted"][fitted["depth"] == d].mean()) for d in fitted["depth"].unique()}
+        depth_means = torch.tensor([by_depth.get(int(d), table.mean) for d in observed["depth"].tolist()])
+        report["brier_statistical_by_depth"] = brier(depth_means, accepted)
+        report["brier_draft_probability"] = brier(observed["Q"], accepted)
+    report["information_gain"] = information_gain_table(accepted, observed["S"], observed["A"], table)
+    return report
 
 
 def _joined(observed: list[dict]) -> dict:
-    return {key: torch.cat([o[key] for o in observed]) for key in ("S", "A", "accepted")}
+    return {key: torch.cat([o[key] for o in observed]) for key in observed[0]}
 
 
 def write_sv_tables(config: EngineConfig, options: CalibrationOptions) -> None:

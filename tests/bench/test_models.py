@@ -1,5 +1,5 @@
 """bench models' rounds: which questions each round asks, and how a mode's rounds add up to its row."""
-from bench.models import by_round, compared, rounds, totals, wave
+from bench.models import by_round, calibration_markdown, compared, rounds, totals, wave
 
 
 def test_each_batch_size_runs_rounds_until_the_minimum_of_requests_and_at_least_one():
@@ -28,3 +28,14 @@ def test_each_rounds_ratio_is_taken_against_the_baseline_batch_of_the_same_round
     assert ratios["speedup_vs_none_by_round"] == [1.5, 1.0, 0.9]
     assert by_round(ratios["speedup_vs_none_by_round"]) == "1.00 (0.90–1.50, 3 rounds)"
     assert by_round([0.97]) == "0.97 (1 round)" and by_round(None) == "–"
+
+
+def test_the_calibration_table_names_the_heads_estimators_where_the_report_has_them():
+    gain = {"entropy": 1.0, "given_S": 0.9, "given_A": 0.8, "given_S_and_A": 0.7, "information_gain": 0.3,
+            "information_gain_share": 0.3}
+    report = {"num_tokens": 10, "brier_companion": 0.1, "brier_statistical": 0.2, "information_gain": gain}
+    calibration = {"command": "specserve calibrate sv", "greedy": report, "sampled": report}
+    assert "draft head's probability" not in "\n".join(calibration_markdown(calibration))
+    heads = {**report, "brier_statistical_by_depth": 0.15, "brier_draft_probability": 0.125}
+    lines = calibration_markdown({**calibration, "greedy": heads, "sampled": heads})
+    assert "| greedy | 0.1500 | 0.1250 |" in lines and "| sampled | 0.1500 | 0.1250 |" in lines

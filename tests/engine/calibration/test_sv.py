@@ -134,9 +134,12 @@ def test_calibration_of_a_head_and_its_companion_head_fits_the_table_serving_sco
     # 10 answer tokens, at depths 1..4: a depth-d token is drafted after d - 1 answer tokens accepted
     assert len(observed["S"]) == len(observed["A"]) == len(observed["accepted"]) == 10 + 9 + 8 + 7
     assert set(observed["accepted"].tolist()) <= {0.0, 1.0} and 0.0 <= float(observed["S"].min())
+    assert torch.bincount(observed["depth"].long()).tolist() == [0, 10, 9, 8, 7]
+    assert 0.0 < float(observed["Q"].min()) and float(observed["Q"].max()) <= 1.0  # the head's probability of each
 
-    table, report = calibrate_sv(engine, prompts(3, seed=23), max_tokens=16, greedy=True)
+    table, report = calibrate_sv(engine, prompts(4, seed=23), max_tokens=16, greedy=True)
     assert table.meta["num_tokens"] > 0
+    assert all(0.0 <= report[key] <= 1.0 for key in ("brier_statistical_by_depth", "brier_draft_probability"))
     assert 0.0 <= report["brier_companion"] <= 1.0 and 0.0 <= report["brier_statistical"] <= 1.0
     table.save(sv_table_path(engine.cache_dir, sv_fingerprints(
         engine.model_fingerprint, engine.draft_forward, engine.companion_forward), greedy=True))
