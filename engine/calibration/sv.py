@@ -116,7 +116,7 @@ def head_teacher_forced_tokens(
     """As `teacher_forced_tokens`, for a draft head and its companion head reading the target's states at LAYERS,
     at each depth 1..DEPTH of a chain (each depth's tokens drafted given the target's tokens before them)."""
     from engine.training.data import Sample  # engine/training/ imports this package: imported when used
-    from engine.training.ttt import head_steps
+    from engine.training.ttt import head_steps  # the same
 
     ids = torch.tensor(prompt + answer)
     out = target(input_ids=ids[None], output_hidden_states=True)
