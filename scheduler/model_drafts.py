@@ -6,18 +6,18 @@ with the best expected goodput over the whole next step, since the draft's forwa
     goodput(d) = (E + B (1 + sum_{i<=d} P_i)) / (target(N + B (1 + d)) + d draft(B) + companion(B d))
 (a companion head scores in lockstep with the draft head: d companion(B) in place of companion(B d));
 B: the requests about to draft with the model; P_i: the probability that the i-th drafted token is on the accepted
-path, averaged over them; target/draft/companion(n): a forward's latency over n tokens, the start-up profile plus the
-overhead real steps show (the target's StepOverhead, the draft's running mean per chain of a forward, learnt against
-the forwards drafting really ran: a round's first forward also reads the tokens the model has not read yet, many
-after a stretch off); N, E: the tokens the rest of the batch is expected to verify and yield. The decision prices a
-round in its steady state, one token per request in each forward: what a stretch off leaves unread is read once
-whenever drafting resumes, and pricing it into every decision would keep drafting off for good (the unread tokens
-only grow). Where not even a draft the target always accepts would pay, drafting stays off unprobed. Otherwise d = 0
-turns it off and a one-token probe runs once the steps off have cost 1/share times the probe (priced at what the last
-probe took, where that is more than a steady round: a probe first reads what the model missed while off, hundreds of
-tokens at a batch of 16), the share halving from EXPLORE_SHARE to MIN_EXPLORE_SHARE after each probe that leaves it
-off, so its acceptance keeps being measured; an off decision holds for the same batch until a probe or
-KEEP_OFF_STEPS.
+path, averaged over them; target/draft/companion(n): a forward's latency over n tokens, the start-up profile plus
+the overhead real steps show (the target's StepOverhead, the draft's running mean per chain of a forward, learnt
+from steady rounds: a round whose first forward reads a prompt or what a stretch off left unread computes one row of
+logits a chain where the profile prices one a token, and teaches nothing); N, E: the tokens the rest of the batch is
+expected to verify and yield. The decision prices a round in its steady state, one token per request in each
+forward: what a stretch off leaves unread is read once whenever drafting resumes, and pricing it into every decision
+would keep drafting off for good (the unread tokens only grow). Where not even a draft the target always accepts
+would pay, drafting stays off unprobed. Otherwise d = 0 turns it off and a one-token probe runs once the steps off
+have cost 1/share times the probe (priced at what the last probe took, where that is more than a steady round: a
+probe first reads what the model missed while off, hundreds of tokens at a batch of 16), the share halving from
+EXPLORE_SHARE to MIN_EXPLORE_SHARE after each probe that leaves it off, so its acceptance keeps being measured; an
+off decision holds for the same batch until a probe or KEEP_OFF_STEPS.
 
 A model that estimates its own tokens' acceptance as it drafts them (an EAGLE head: its probability of each token) is
 planned by those estimates for greedy batches, since the verification planner then verifies only the drafted tokens
@@ -97,6 +97,7 @@ class ModelDraftBudget:
         self.draft_overhead_seconds = 0.0
         self._rounds_measured = 0
         self._batch = 1  # the requests drafting was last reserved for: a round's first forward carries each one's chain
+        self._max_tokens = 1  # the most tokens a request could draft last round, so the most its first forward rereads
         self.steps_off = 0  # steps the planner kept drafting off since the last probe
         self.probes_off = 0  # probes since the planner last chose to draft
         # what the last probe took, measured: its first forward read what the model missed while off, so it costs
@@ -121,7 +122,7 @@ class ModelDraftBudget:
         greedy token's acceptance as it drafts it (an EAGLE head's own probability, drafters/head_draft.py), so once
         the planner chooses to draft, a greedy request may draft up to MAX_TOKENS and stops where its path's estimate
         is no longer worth a forward (`continuing`)."""
-        self._source, self._batch = source, max(len(reqs), 1)
+        self._source, self._batch, self._max_tokens = source, max(len(reqs), 1), max_tokens
         depth, chosen = self._depth(reqs, max_tokens, source, beside, knows_acceptance)
         deepest = max_tokens if knows_acceptance and chosen else depth
         return {
@@ -134,12 +135,17 @@ class ModelDraftBudget:
         self, seconds: float, draft_forwards: Sequence[int], companion_forwards: Sequence[int] = (),
     ) -> None:
         """The measured SECONDS of a round of drafting whose draft-model forwards carried DRAFT_FORWARDS tokens each
-        (and the companion's COMPANION_FORWARDS): the draft's overhead per chain learns from it, a forward carrying
-        as many chains as the batch it was reserved for, or as its tokens where fewer (later forwards carry one token
-        for each chain that goes on)."""
+        (and the companion's COMPANION_FORWARDS): the draft's overhead per chain learns from a steady round, a forward
+        carrying as many chains as the batch it was reserved for, or as its tokens where fewer (later forwards carry
+        one token for each chain that goes on). A round whose first forward reads more than a step can have accepted
+        (a prompt, or what a stretch off left unread) teaches nothing: the profile prices a forward of n tokens with
+        n rows of logits, and such a forward computes one a chain, so its error is the profile's (a head's catch-up
+        over 1,700 prompt tokens took a fifth of the price, and the overhead it taught made drafting look free)."""
         if self._probing:
             self.probe_seconds, self._probing = seconds, False
         if not draft_forwards or self.draft_seconds is None:
+            return
+        if draft_forwards[0] > self._batch * (self._max_tokens + 1):
             return
         predicted = sum(map(self.draft_seconds, draft_forwards)) + sum(map(self.companion_seconds, companion_forwards))
         chains = sum(min(tokens, self._batch) for tokens in draft_forwards)

@@ -176,16 +176,21 @@ def test_the_drafts_real_cost_is_learnt_from_measured_drafting_time():
     assert model_drafts.draft_overhead_seconds == learnt
 
 
-def test_a_round_that_reads_many_unread_tokens_first_is_priced_by_them_and_teaches_no_overhead():
-    # after a stretch off, the round's first forward reads 150 tokens the model had not read, then drafts 2 more
+def test_a_round_that_reads_many_unread_tokens_first_teaches_no_overhead():
+    # after a stretch off, the round's first forward reads 150 tokens the model had not read, then drafts 2 more: it
+    # computes one row of logits where the profile prices 150, so the round takes a fraction of its price, and its
+    # error would teach a negative overhead that prices steady drafting at nothing
     blocks = KVBlockManager(num_blocks=8, block_size=4)
     draft = linear(0.0001, 0.001)
     model_drafts = ModelDraftBudget(TreeAcceptance(0.9, 1e6), blocks, 1024, linear(0.001, 0.1), draft)
-    model_drafts.observe_drafting_seconds(draft(150) + 2 * draft(1), [150, 1, 1])
-    assert abs(model_drafts.draft_overhead_seconds) < 1e-12
-    model_drafts.observe_drafting_seconds(draft(150) + 2 * draft(1) + 0.003, [150, 1, 1])
-    # 3 ms over three forwards of one chain each: 1 ms a chain, averaged with the first round's nothing
-    assert abs(model_drafts.draft_overhead_seconds - 0.0005) < 1e-12
+    req = decoding_request("a", 6, blocks)
+    model_drafts.reserve([req], 5, "draft")
+    model_drafts.observe_drafting_seconds(0.2 * draft(150) + 2 * draft(1), [150, 1, 1])
+    assert model_drafts.draft_overhead_seconds == 0.0
+    # a steady round (its first forward rereads what the last step accepted, 6 tokens at most) teaches: 3 ms over
+    # three forwards of one chain each, 1 ms a chain
+    model_drafts.observe_drafting_seconds(draft(6) + 2 * draft(1) + 0.003, [6, 1, 1])
+    assert abs(model_drafts.draft_overhead_seconds - 0.001) < 1e-12
 
 
 def sampled_request(request_id: str, num_tokens: int, blocks: KVBlockManager) -> Request:
