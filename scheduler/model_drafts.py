@@ -97,7 +97,7 @@ class ModelDraftBudget:
         self.draft_overhead_seconds = 0.0
         self._rounds_measured = 0
         self._batch = 1  # the requests drafting was last reserved for: a round's first forward carries each one's chain
-        self._max_tokens = 1  # the most tokens a request could draft last round, so the most its first forward rereads
+        self._max_tokens = 1  # the most a request could draft last round: a steady first forward reads that + 1 at most
         self.steps_off = 0  # steps the planner kept drafting off since the last probe
         self.probes_off = 0  # probes since the planner last chose to draft
         # what the last probe took, measured: its first forward read what the model missed while off, so it costs
