@@ -95,6 +95,9 @@ def add_train_draft_parser(commands) -> None:
                        help="training-time test steps: drafted positions each answer is trained at")
     train.add_argument("--seed", type=int, default=None, help="prompts, sampled answers and training order "
                        f"(default {defaults.seed}; a companion's {COMPANION.seed})")
+    train.add_argument("--init", type=Path, default=None,
+                       help="a head's folder to train further instead of starting a new one (its draft vocabulary, "
+                            "width and target layers are kept): another --seed gives it answers it has not seen")
     train.add_argument("--companion", action="store_true",
                        help="train the companion head Speculative Verification scores a draft head's tokens with "
                             "(--companion-model): narrower, and trained on the answers to other prompts")
@@ -111,7 +114,7 @@ def train_draft_head(args: argparse.Namespace) -> None:
     options = TrainOptions(
         args.out, args.num_prompts, args.max_new_tokens, args.draft_vocab,
         args.intermediate_size or defaults.intermediate_size, args.epochs, args.lr, args.ttt_steps,
-        defaults.seed if args.seed is None else args.seed, "specserve " + shlex.join(sys.argv[1:]),
+        defaults.seed if args.seed is None else args.seed, "specserve " + shlex.join(sys.argv[1:]), args.init,
     )
     train_draft(engine_config(args, "none"), options)
 

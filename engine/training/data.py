@@ -118,47 +118,49 @@ def answered_prompts(
     return [(prompt, answer, p.greedy) for prompt, answer, p in answered if len(answer) > 1]
 
 
-def draft_vocabulary(answered: list[tuple[list, list, bool]], size: int) -> tuple[torch.Tensor, float, int]:
-    """The SIZE answer tokens seen most often, ascending; the share of answer tokens they cover; answer tokens."""
+def draft_vocabulary(
+    answered: list[tuple[list, list, bool]], size: int, given: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, float, int]:
+    """The SIZE answer tokens seen most often, ascending (or GIVEN, a head's own, as it is); the share of answer
+    tokens they cover; answer tokens."""
     counts = Counter(token for _, answer, _ in answered for token in answer)
     total = sum(counts.values())
-    chosen = [token for token, _ in counts.most_common(size)]
+    chosen = given.tolist() if given is not None else sorted(token for token, _ in counts.most_common(size))
     covered = sum(counts[token] for token in chosen)
-    return torch.tensor(sorted(chosen)), covered / max(total, 1), total
+    return torch.tensor(chosen), covered / max(total, 1), total
 
 
 @torch.inference_mode()
 def target_sample(
-    model: torch.nn.Module, prompt: list[int], answer: list[int], layers: tuple[int, ...], to_draft: torch.Tensor,
+    model: torch.nn.Module, prompt: list[int], answer: list[int], layers: tuple[int, ...], draft_ids: torch.Tensor,
 ) -> Sample:
     """One forward of the target over PROMPT and ANSWER: its states at LAYERS (hidden-state indices) and its top
-    TEACHER_TOP_K over the draft vocabulary (TO_DRAFT: [vocab] draft id of each target id, -1 outside)."""
+    TEACHER_TOP_K over the draft vocabulary (DRAFT_IDS: [draft vocab] the target id of each draft id)."""
     ids = torch.tensor(prompt + answer)
     out = model(input_ids=ids[None], output_hidden_states=True)
     states = torch.cat([out.hidden_states[layer][0] for layer in layers], dim=-1).to(torch.bfloat16)
-    draft_logits = out.logits[0].float()[:, to_draft >= 0]  # columns in ascending target id: draft id order
-    top = torch.softmax(draft_logits, dim=-1).topk(TEACHER_TOP_K, dim=-1)
+    draft_logits = out.logits[0].float()[:, draft_ids]  # [T, draft vocab] in draft id order
+    top = torch.softmax(draft_logits, dim=-1).topk(min(TEACHER_TOP_K, len(draft_ids)), dim=-1)
     probs = top.values / top.values.sum(-1, keepdim=True)
     return Sample(ids, len(prompt), states.cpu(), top.indices.to(torch.int32).cpu(), probs.to(torch.float16).cpu())
 
 
 def build_training_data(
     engine: Engine, tokenizer, layers: tuple[int, ...], num_prompts: int, max_tokens: int, draft_vocab: int,
-    seed: int,
+    seed: int, draft_ids: torch.Tensor | None = None,
 ) -> TrainingData:
-    """Answer NUM_PROMPTS training prompts with ENGINE, choose the draft vocabulary, and run the target over each."""
+    """Answer NUM_PROMPTS training prompts with ENGINE, choose the draft vocabulary (unless DRAFT_IDS, a head's own,
+    is given), and run the target over each."""
     answered = answered_prompts(engine, tokenizer, num_prompts, max_tokens, seed)
-    draft_ids, coverage, num_answer_tokens = draft_vocabulary(answered, draft_vocab)
+    draft_ids, coverage, num_answer_tokens = draft_vocabulary(answered, draft_vocab, draft_ids)
     logger.info("train-draft: %d answers, %d answer tokens; the %d most frequent cover %.1f %%", len(answered),
                 num_answer_tokens, len(draft_ids), 100 * coverage)
     model = engine.runner.model
-    to_draft = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
-    to_draft[draft_ids] = torch.arange(len(draft_ids))
     samples = []
     with plain_attention((model,)):
         for i, (prompt, answer, greedy) in enumerate(answered):
             if i % 100 == 0:
                 logger.info("train-draft: the target's states over answer %d of %d", i + 1, len(answered))
-            samples.append(target_sample(model, prompt, answer, layers, to_draft))
+            samples.append(target_sample(model, prompt, answer, layers, draft_ids))
             samples[-1].greedy = greedy
     return TrainingData(samples, draft_ids, coverage, num_answer_tokens)

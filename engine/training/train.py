@@ -1,6 +1,7 @@
 """The training run of `specserve train-draft`: data (cached per model and settings, so a second run with other
-training settings does not answer the prompts again), a head initialised from the target, epochs of TTT with a
-progress bar, a checkpoint and a held-out validation after each, and the head with its training record at the end."""
+training settings does not answer the prompts again), a head initialised from the target (or an existing head, to
+train it further on answers to other prompts: `--init`), epochs of TTT with a progress bar, a checkpoint and a
+held-out validation after each, and the head with its training record at the end."""
 from __future__ import annotations
 
 import hashlib
@@ -18,7 +19,7 @@ from engine.artifacts import weights_fingerprint
 from engine.config import EngineConfig
 from engine.drafter_context import model_cache_dir
 from engine.engine import Engine
-from engine.model.eagle3 import Eagle3Config, Eagle3Head, save_eagle3_head
+from engine.model.eagle3 import Eagle3Config, Eagle3Head, aux_layers, load_eagle3_head, save_eagle3_head
 from engine.model.tokenizer import load_tokenizer
 from engine.training.data import SELF_WRITTEN_SHARE, TrainingData, build_training_data
 from engine.training.ttt import (
@@ -49,6 +50,7 @@ class TrainOptions:
     ttt_steps: int = TTT_STEPS
     seed: int = 0
     command: str = ""
+    init: Path | None = None  # a head to train further instead of a new one: its draft vocabulary, width, layers kept
 
 
 # Speculative Verification's companion for a head trained with the defaults: half its MLP width, so that scoring costs
@@ -61,15 +63,20 @@ def train_draft(config: EngineConfig, options: TrainOptions) -> None:
     torch.manual_seed(options.seed)
     engine = Engine(replace(config, spec=replace(config.spec, drafter="none")))
     target = engine.runner.model
-    layers = default_layers(target.config.num_hidden_layers)
-    data = _cached_data(engine, config, options, layers)
-    head = initial_head(target, data.draft_ids, options.intermediate_size)
+    start = None if options.init is None else starting_head(target, options.init)
+    layers = default_layers(target.config.num_hidden_layers) if start is None else \
+        aux_layers(start.config, target.config.num_hidden_layers)
+    data = _cached_data(engine, config, options, layers, None if start is None else start.target_ids)
+    head = start or initial_head(target, data.draft_ids, options.intermediate_size)
     train, held_out = _split(data)
     record = {"command": options.command, "options": {k: str(v) for k, v in asdict(options).items()},
               "data": {"answers": len(data.samples), "answer_tokens": data.num_answer_tokens,
                        "train_tokens": sum(s.num_tokens for s in train), "held_out_answers": len(held_out),
                        "draft_vocab": len(data.draft_ids), "draft_vocab_coverage": round(data.coverage, 4)},
               "target_layers": list(layers), "epochs": []}
+    if start is not None:  # what the head started from scores on the same held-out answers: what training added
+        record["init"] = dict(validate(head, held_out, options.ttt_steps), epoch=0, head=str(options.init))
+        logger.info("train-draft: the starting head: %s", record["init"])
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=options.lr, weight_decay=0)
     total_steps, step, start = options.epochs * len(train), 0, time.monotonic()
     for epoch in range(1, options.epochs + 1):
@@ -131,6 +138,15 @@ def initial_head(target: torch.nn.Module, draft_ids: torch.Tensor, intermediate_
     return head.float()
 
 
+def starting_head(target: torch.nn.Module, path: Path) -> Eagle3Head:
+    """The head in folder PATH, in float32 to train further, embedding with the target's (frozen) embedding."""
+    head = load_eagle3_head(path, target.get_input_embeddings(), torch.float32, torch.device("cpu"))
+    if head.config.hidden_size != target.config.hidden_size:
+        raise ValueError(f"{path} is a head {head.config.hidden_size} wide; this model's states are "
+                         f"{target.config.hidden_size} wide")
+    return head
+
+
 @torch.no_grad()
 def validate(head: Eagle3Head, held_out: list, steps: int) -> dict:
     """Acceptance on the held-out greedy answers as the head drafts a chain of STEPS tokens, and each step's
@@ -149,17 +165,22 @@ def _split(data: TrainingData) -> tuple[list, list]:
     return train, held_out
 
 
-def _cached_data(engine: Engine, config: EngineConfig, options: TrainOptions, layers: tuple) -> TrainingData:
-    """The training data for these settings, from the model cache folder if an earlier run made it."""
+def _cached_data(
+    engine: Engine, config: EngineConfig, options: TrainOptions, layers: tuple, draft_ids: torch.Tensor | None,
+) -> TrainingData:
+    """The training data for these settings (DRAFT_IDS: a starting head's vocabulary, else the answers choose one),
+    from the model cache folder if an earlier run made it."""
     target = engine.runner.model
+    vocabulary = options.draft_vocab if draft_ids is None else \
+        hashlib.sha256(draft_ids.numpy().tobytes()).hexdigest()[:16]
     key = json.dumps([weights_fingerprint(target, engine.weights), options.num_prompts, options.max_new_tokens,
-                      options.draft_vocab, options.seed, list(layers), SELF_WRITTEN_SHARE])
+                      vocabulary, options.seed, list(layers), SELF_WRITTEN_SHARE])
     path = model_cache_dir(config.model) / "draft-heads" / f"data-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
     if path.exists():
         logger.info("train-draft: training data from %s", path)
         return torch.load(path, weights_only=False)
     data = build_training_data(engine, load_tokenizer(config.model), layers, options.num_prompts,
-                               options.max_new_tokens, options.draft_vocab, options.seed)
+                               options.max_new_tokens, options.draft_vocab, options.seed, draft_ids)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(data, path)
     return data

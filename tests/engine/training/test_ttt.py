@@ -4,9 +4,9 @@ import torch
 
 from engine.model.eagle3 import load_eagle3_head
 from engine.training import data
-from engine.training.data import Sample, draft_vocabulary, self_written_prompts, user_turn_prefix
+from engine.training.data import Sample, draft_vocabulary, self_written_prompts, target_sample, user_turn_prefix
 from engine.training.prompts import training_prompts
-from engine.training.train import default_layers, initial_head
+from engine.training.train import default_layers, initial_head, starting_head
 from engine.training.ttt import (
     StepStats,
     _scored_rows,
@@ -117,6 +117,56 @@ def test_the_draft_vocabulary_is_the_answer_tokens_seen_most_often():
     answered = [([1, 2], [7, 7, 8, 9], True), ([1], [7, 8, 10, 7], False)]
     ids, coverage, total = draft_vocabulary(answered, 2)
     assert ids.tolist() == [7, 8] and total == 8 and coverage == 6 / 8
+
+
+def test_a_head_trained_further_keeps_its_own_draft_vocabulary_in_its_own_order():
+    answered = [([1, 2], [7, 7, 8, 9], True), ([1], [7, 8, 10, 7], False)]
+    ids, coverage, total = draft_vocabulary(answered, 2, given=torch.tensor([10, 8, 3]))
+    assert ids.tolist() == [10, 8, 3] and total == 8 and coverage == 3 / 8
+
+
+def test_the_teacher_is_the_targets_distribution_over_the_draft_vocabulary_in_draft_id_order(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    draft_ids = torch.tensor([40, 3, 17, 5, 22, 9])  # not ascending, as a public head's d2t may have it
+    prompt, answer = [1, 12, 30], [7, 41, 2]
+    sample = target_sample(target, prompt, answer, (1, 2, 2), draft_ids)
+    with torch.no_grad():
+        out = target(input_ids=torch.tensor([prompt + answer]), output_hidden_states=True)
+    expected = torch.softmax(out.logits[0][:, draft_ids], dim=-1)
+    assert sample.teacher_ids[:, 0].tolist() == expected.argmax(-1).tolist()
+    assert torch.allclose(sample.teacher_probs.float().sum(-1), torch.ones(6), atol=1e-3)
+    assert torch.allclose(sample.states[:, 32:64].float(), out.hidden_states[2][0], atol=1e-2)
+
+
+def test_training_further_starts_from_the_heads_own_weights_in_float32(tiny_model_dir, tiny_head_dir):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    head = starting_head(target, tiny_head_dir)
+    assert head.dtype == torch.float32 and head.embed is target.get_input_embeddings()
+    assert head.target_ids.tolist() == list(range(0, TINY_VOCAB, 2))
+    assert all(p.requires_grad for p in head.parameters())
+    wider = LlamaForCausalLM(LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    try:
+        starting_head(wider, tiny_head_dir)
+    except ValueError as error:
+        assert "32 wide" in str(error) and "64 wide" in str(error)
+    else:
+        raise AssertionError("a head of another width was taken")
+
+
+def test_train_draft_init_names_the_head_to_train_further(monkeypatch, tmp_path):
+    import specserve
+    from engine import training
+
+    seen = []
+    monkeypatch.setattr(training, "train_draft", lambda config, options: seen.append(options))
+    specserve.main(["train-draft", "--out", str(tmp_path / "out"), "--init", str(tmp_path / "head")])
+    specserve.main(["train-draft", "--out", str(tmp_path / "out")])
+    assert [o.init for o in seen] == [tmp_path / "head", None]
 
 
 def test_training_prompts_are_distinct_and_seeded():
