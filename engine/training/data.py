@@ -155,19 +155,22 @@ def draft_vocabulary(
 
 
 def training_sample(model: torch.nn.Module, answered: Answer, draft_ids: torch.Tensor) -> Sample:
-    """ANSWERED as the head trains on it: the states at its three layers and the teacher from the last layer's, a
-    zero row at the answer's last token (never computed, never read: the head learns no token after it)."""
+    """ANSWERED as the head trains on it: the states at its three layers, and the teacher from the last layer's where
+    the head learns a token (from the last prompt position on: it learns answer tokens only); zero rows elsewhere and
+    at the answer's last token (never computed: the head learns no token after it)."""
     head_width = answered.states.shape[1] - model.config.hidden_size
-    ids, probs = teacher(model, answered.states[:, head_width:], draft_ids)
+    first = len(answered.prompt) - 1
+    ids, probs = teacher(model, answered.states[first:, head_width:], draft_ids)
     return Sample(
         torch.tensor(answered.prompt + answered.answer), len(answered.prompt),
-        _one_row_more(answered.states[:, :head_width]), _one_row_more(ids), _one_row_more(probs),
+        _padded(answered.states[:, :head_width], 0), _padded(ids, first), _padded(probs, first),
         greedy=answered.greedy,
     )
 
 
-def _one_row_more(rows: torch.Tensor) -> torch.Tensor:
-    return torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+def _padded(rows: torch.Tensor, before: int) -> torch.Tensor:
+    """ROWS with BEFORE zero rows before them and one after."""
+    return torch.cat([rows.new_zeros(before, rows.shape[1]), rows, rows.new_zeros(1, rows.shape[1])])
 
 
 def build_training_data(

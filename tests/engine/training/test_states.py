@@ -54,8 +54,10 @@ def test_a_training_sample_reads_the_heads_layers_and_learns_from_the_last():
     sample = training_sample(model, Answer(prompt, answer, False, states), DRAFT_IDS)
     assert sample.token_ids.tolist() == prompt + answer and sample.num_prompt == 3 and not sample.greedy
     assert torch.equal(sample.states[:5], states[:, :96]) and not sample.states[5].any()
-    ids, probs = teacher(model, states[:, 96:], DRAFT_IDS)
-    assert torch.equal(sample.teacher_ids[:5], ids) and torch.equal(sample.teacher_probs[:5], probs)
+    ids, probs = teacher(model, states[:, 96:], DRAFT_IDS)  # row p: the distribution of the token at p + 1
+    assert torch.equal(sample.teacher_ids[2:5], ids[2:]) and torch.equal(sample.teacher_probs[2:5], probs[2:])
+    assert not sample.teacher_probs[:2].any() and not sample.teacher_probs[5].any()  # rows no answer token is learnt at
+    assert sample.teacher_ids.shape == sample.teacher_probs.shape == (6, len(DRAFT_IDS))
 
 
 def test_a_preempted_request_is_recorded_again_from_where_it_is_computed_again():
