@@ -179,12 +179,13 @@ def build_training_data(
 ) -> TrainingData:
     """Answer NUM_PROMPTS training prompts with ENGINE, recording the target's states, and choose the draft
     vocabulary (unless DRAFT_IDS, a head's own, is given)."""
-    answered, given = answered_prompts(engine, tokenizer, num_prompts, max_tokens, seed, layers), draft_ids
-    draft_ids, coverage, num_answer_tokens = draft_vocabulary([a.answer for a in answered], draft_vocab, given)
+    answered = answered_prompts(engine, tokenizer, num_prompts, max_tokens, seed, layers)
+    chosen, coverage, num_answer_tokens = draft_vocabulary([a.answer for a in answered], draft_vocab, draft_ids)
     logger.info("train-draft: %d answers, %d answer tokens; the draft vocabulary (%d tokens, %s) covers %.1f %%",
-                len(answered), num_answer_tokens, len(draft_ids),
-                "the most frequent" if given is None else "the starting head's", 100 * coverage)
+                len(answered), num_answer_tokens, len(chosen),
+                "the most frequent" if draft_ids is None else "the starting head's", 100 * coverage)
     model, samples = engine.runner.model, []
-    while answered:  # each answer's last-layer states are let go once its teacher is made
-        samples.append(training_sample(model, answered.pop(0), draft_ids))
-    return TrainingData(samples, draft_ids, coverage, num_answer_tokens)
+    for i, answer in enumerate(answered):
+        samples.append(training_sample(model, answer, chosen))
+        answered[i] = None  # its last-layer states are let go once its teacher is made
+    return TrainingData(samples, chosen, coverage, num_answer_tokens)

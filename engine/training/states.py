@@ -30,24 +30,26 @@ class StateRecorder(NoDrafter):
     def __init__(self, layers: Sequence[int]) -> None:
         self.captures = CaptureSpec(hidden_layers=tuple(layers))
         self._live: dict[str, list[torch.Tensor]] = {}
+        self._positions: dict[str, int] = {}  # per live request, the positions its parts hold (read every step)
         self._finished: dict[str, torch.Tensor] = {}
 
     def begin(self, req: DraftableRequest, state: object | None = None) -> None:
-        self._live[req.request_id] = []
+        self._live[req.request_id], self._positions[req.request_id] = [], 0
 
     def observe(self, req: DraftableRequest, computed: Computed) -> None:
         if computed.hidden_states is None:
             return
-        parts = self._live[req.request_id]
-        kept = sum(len(part) for part in parts)
+        parts, kept = self._live[req.request_id], self._positions[req.request_id]
         if computed.start < kept:  # preempted, so computed again from its first token
             parts[:] = [torch.cat(parts)[:computed.start]]
         elif computed.start > kept:
             raise RuntimeError(f"{req.request_id}: positions {kept}..{computed.start - 1} were computed unseen")
         parts.append(computed.hidden_states.to(torch.bfloat16))
+        self._positions[req.request_id] = computed.start + len(computed.hidden_states)
 
     def finish(self, req: DraftableRequest) -> object | None:
         parts = self._live.pop(req.request_id)
+        del self._positions[req.request_id]
         if parts:
             self._finished[req.request_id] = torch.cat(parts)
         return None

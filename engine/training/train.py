@@ -63,18 +63,18 @@ def train_draft(config: EngineConfig, options: TrainOptions) -> None:
     torch.manual_seed(options.seed)
     engine = Engine(replace(config, spec=replace(config.spec, drafter="none")))
     target = engine.runner.model
-    start = None if options.init is None else starting_head(target, options.init)
-    layers = default_layers(target.config.num_hidden_layers) if start is None else \
-        aux_layers(start.config, target.config.num_hidden_layers)
-    data = _cached_data(engine, config, options, layers, None if start is None else start.target_ids)
-    head = start or initial_head(target, data.draft_ids, options.intermediate_size)
+    starting = None if options.init is None else starting_head(target, options.init)
+    layers = default_layers(target.config.num_hidden_layers) if starting is None else \
+        aux_layers(starting.config, target.config.num_hidden_layers)
+    data = _cached_data(engine, config, options, layers, None if starting is None else starting.target_ids)
+    head = starting or initial_head(target, data.draft_ids, options.intermediate_size)
     train, held_out = _split(data)
     record = {"command": options.command, "options": {k: str(v) for k, v in asdict(options).items()},
               "data": {"answers": len(data.samples), "answer_tokens": data.num_answer_tokens,
                        "train_tokens": sum(s.num_tokens for s in train), "held_out_answers": len(held_out),
                        "draft_vocab": len(data.draft_ids), "draft_vocab_coverage": round(data.coverage, 4)},
               "target_layers": list(layers), "epochs": []}
-    if start is not None:  # what the head started from scores on the same held-out answers: what training added
+    if starting is not None:  # what the head started from scores on the same held-out answers: what training added
         record["init"] = dict(validate(head, held_out, options.ttt_steps), epoch=0, head=str(options.init))
         logger.info("train-draft: the starting head: %s", record["init"])
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=options.lr, weight_decay=0)
