@@ -341,7 +341,8 @@ BENCHMARKS: dict[str, Benchmark] = {
     "routing-sim": Benchmark("the router in front of many simulated replicas: hit rate and load as replicas change",
                              run_routing_sim, lambda args: [], add_routing_sim_flags, serves_model=False),
     "step-profile": Benchmark("where a step's time goes", run_step_profile, lambda args: ["mt-redundant"]),
-    "cpu-layouts": Benchmark("forward time of a CPU memory layout (KV pool, weight scales) against the one it replaced",
+    "cpu-layouts": Benchmark("forward time of a CPU memory layout (KV pool, weight scales) or kernel variant (AMX) "
+                             "against the one it replaced",
                              run_cpu_layouts, lambda args: [], add_cpu_layouts_flags),
     "soak": Benchmark("streaming clients against one server for minutes: memory and errors",
                       lambda args, config, tokenizer, out: run_soak(args, out), lambda args: [], add_soak_flags),

@@ -1,21 +1,25 @@
-"""`specserve bench cpu-layouts --compare WHAT`: forward time of a memory layout the CPU forward uses against the
-layout it replaced, in one process.
+"""`specserve bench cpu-layouts --compare WHAT`: forward time of a memory layout or kernel variant the CPU forward uses
+against the one it replaced, in one process.
 
 - `kv-pool`: the KV pool, `[layers, slots, kv_heads, head_dim]` by shape everywhere, lies head by head in the CPU's
   memory (engine/model/paged_attention.py PagedKVPool), against slot by slot (CUDA's layout);
 - `scales`: the `gguf` weights' scales and minimums stored as float16 where each is exactly a half
-  (engine/model/block_linear.py), against float32 throughout.
+  (engine/model/block_linear.py), against float32 throughout;
+- `amx`: block_linear's AMX variant (engine/model/csrc/block_linear_amx.h: 16 rows a tile multiply, from 16 rows for
+  signed codes, 32 for unsigned), against its AVX512-VNNI variant alone (SPECSERVE_CPU_ISA=avx512vnni). It needs a
+  CPU with AMX-INT8 whose kernel grants the tile state; elsewhere both engines run the same variant.
 
-Two engines on the served model, the second made with the layout it replaced (patched here only), take turns forward
-by forward: for each batch size B and context length C, B sequences of C distinct tokens are prefilled, then each
-engine runs forwards of N new tokens per sequence (a decode step at N = 1, a verify step of N - 1 drafted tokens above
-it), REPEATS times in turn. Both layouts give the same bits (tests/engine/model/test_decoder.py,
-tests/engine/model/test_block_linear.py); what differs is how many bytes a step reads and how they stream. Each
-figure is the median over the repeats.
+Two engines on the served model, the second made with the layout or variant it replaced (patched here only), take
+turns forward by forward: for each batch size B and context length C, B sequences of C distinct tokens are prefilled,
+then each engine runs forwards of N new tokens per sequence (a decode step at N = 1, a verify step of N - 1 drafted
+tokens above it), REPEATS times in turn. Both give the same bits (tests/engine/model/test_decoder.py,
+tests/engine/model/test_block_linear.py); what differs is how many bytes a step reads and how they stream, or which
+instructions multiply them. Each figure is the median over the repeats.
 """
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -42,6 +46,7 @@ COMPARISONS = {
     "kv-pool": ("head-major", "slot-major", mock.patch.object(paged_attention, "_pool_tensor",
                                                               paged_attention.slot_major_zeros)),
     "scales": ("float16 where exact", "float32", mock.patch.object(block_linear, "_stored", _float32_scales)),
+    "amx": ("AMX", "AVX512-VNNI", mock.patch.dict(os.environ, {"SPECSERVE_CPU_ISA": "avx512vnni"})),
 }
 
 
@@ -126,8 +131,8 @@ def run_cpu_layouts(args, config, tokenizer, out_dir: Path) -> dict:
 
 
 def markdown(results: dict) -> str:
-    lines = [f"# Forward time by {results['compare']} layout: {results['now']} against {results['before']}, engines "
-             "in turns", "", f"Command: `{results['command']}`", "",
+    lines = [f"# Forward time by {results['compare']}: {results['now']} against {results['before']}, engines in turns",
+             "", f"Command: `{results['command']}`", "",
              f"Milliseconds per forward, median of {results['repeats']} repeats, {results['threads']} threads.", "",
              f"| batch | context | new tokens per sequence | {results['before']} ms | {results['now']} ms | ratio |",
              "|---|---|---|---|---|---|"]

@@ -1,7 +1,7 @@
 """specserve's own CPU kernels (engine/model/csrc): built once per host, loaded once per process.
 
 - `torch.ops.specserve.block_linear` (engine/model/block_linear.py): GGUF-style weight blocks times activations
-  rounded to 8 bits, summed in integers (AVX512-VNNI or AVX2, chosen at run time).
+  rounded to 8 bits, summed in integers (AMX, AVX512-VNNI or AVX2, chosen at run time, the same bits on each).
 - `torch.ops.specserve.row_attention` (engine/model/paged_attention.py): attention one query row at a time over the
   keys it may see (AVX-512F or AVX2 with FMA, the same bits on each).
 - `torch.ops.specserve.rms_norm`, `add_rms_norm`, `gated_activation`, `rope_write`, `span_attention`
@@ -12,9 +12,9 @@ Compiled on first use with a C++ compiler and ninja (~1 min; `make setup` does i
 into the user cache, keyed by the sources, their folder, the flags and torch's version (two checkouts each keep
 their own build: ninja rebuilds a shared one whenever the sources' paths change). Each kernel is compiled for its
 instruction set with target attributes, so the module loads on any x86-64 CPU; `cpu_isa`/`row_attention_available`
-say what runs here. SPECSERVE_CPU_ISA caps them: `avx2` leaves only the AVX2 variants (to run them on an AVX-512
-machine), `none` none of the kernels. Where the build fails (no compiler) the engine runs torch's own kernels and
-says so in the log.
+say what runs here. SPECSERVE_CPU_ISA caps them: `avx512vnni` leaves block_linear's AMX variant unused, `avx2` only
+the AVX2 variants (to run them on an AVX-512 machine), `none` none of the kernels. Where the build fails (no
+compiler) the engine runs torch's own kernels and says so in the log.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # included by th
 # -ffp-contract=off: no fused multiply-adds unless a kernel asks for them, so block_linear's float32 steps round as
 # written (a reference reproduces them bit for bit, and its AVX2 and AVX512 variants agree)
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
-ISAS = ("avx512vnni", "avx2")  # block_linear's variants, best first
+ISAS = ("amx", "avx512vnni", "avx2")  # block_linear's variants, best first (AMX: AVX512-VNNI with AMX-INT8 tiles)
 
 
 @cache
@@ -64,12 +64,15 @@ def kernels():
 
 
 def isa_cap() -> str | None:
-    """The best instruction set SPECSERVE_CPU_ISA allows: None (no cap), "avx2", or "none" (no kernels)."""
+    """The best instruction set SPECSERVE_CPU_ISA allows: None (no cap), "avx512vnni", "avx2", or "none" (no
+    kernels)."""
     cap = os.environ.get("SPECSERVE_CPU_ISA", "").strip().lower()
-    if cap in ("", "auto", "avx512vnni", "avx512"):
+    if cap in ("", "auto", "amx"):
         return None
-    if cap not in ("avx2", "none"):
-        raise ValueError(f"SPECSERVE_CPU_ISA must be avx512vnni, avx2 or none, got {cap!r}")
+    if cap == "avx512":
+        return "avx512vnni"
+    if cap not in ISAS + ("none",):
+        raise ValueError(f"SPECSERVE_CPU_ISA must be amx, avx512vnni, avx2 or none, got {cap!r}")
     return cap
 
 
@@ -78,12 +81,12 @@ def isa_supported(isa: str) -> bool:
     module = kernels()
     if module is None:
         return False
-    return {"avx512vnni": module.has_vnni, "avx2": module.has_avx2}[isa]()
+    return {"amx": module.has_amx, "avx512vnni": module.has_vnni, "avx2": module.has_avx2}[isa]()
 
 
 def cpu_isa() -> str | None:
-    """The variant of block_linear to run here: the best this CPU has within the cap ("avx512vnni", "avx2"), or
-    None."""
+    """The variant of block_linear to run here: the best this CPU has within the cap ("amx", "avx512vnni", "avx2"),
+    or None."""
     cap = isa_cap()
     if cap == "none":
         return None

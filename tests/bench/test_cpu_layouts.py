@@ -41,3 +41,15 @@ def test_the_scales_engines_differ_in_the_scales_dtype(tiny_model_dir, weights, 
     engines = _engines(config_for(tiny_model_dir, weights), "scales")
     dtypes = {name: engine.runner.decoder.layers[0].gate_up.scales.dtype for name, engine in engines.items()}
     assert dtypes == {"before": torch.float32, "now": torch.float16}
+
+
+@pytest.mark.parametrize("weights", [gguf_param()])
+def test_the_amx_engines_differ_in_the_block_kernels_variant(tiny_model_dir, weights, monkeypatch):
+    """As served, the best variant this CPU has; the engine it is compared with, VNNI's (where this CPU has it)."""
+    from engine.model.cpu_kernels import ISAS, isa_supported
+
+    monkeypatch.delenv("SPECSERVE_CPU_ISA", raising=False)
+    engines = _engines(config_for(tiny_model_dir, weights), "amx")
+    isas = {name: engine.runner.decoder.layers[0].gate_up.isa for name, engine in engines.items()}
+    best = next(isa for isa in ISAS if isa_supported(isa))
+    assert isas == {"before": "avx512vnni" if isa_supported("avx512vnni") else best, "now": best}

@@ -1,7 +1,7 @@
 // Linear layers with GGUF-style block-quantised weights (engine/model/blocks.py) times activations rounded to 8 bits
-// per block of 32, multiplied in integers: the arithmetic llama.cpp runs a GGUF with, for two instruction sets chosen
-// at run time (AVX512-VNNI, AVX2), each output row computed by the same instruction sequence whatever the other rows,
-// so a token's logits do not depend on the forward that computes it (engine/model/attention_layout.py).
+// per block of 32, multiplied in integers: the arithmetic llama.cpp runs a GGUF with, for three instruction sets chosen
+// at run time (AMX, AVX512-VNNI, AVX2), each output row's bits the same whatever the other rows and whichever set
+// computes it, so a token's logits do not depend on the forward that computes it (engine/model/attention_layout.py).
 //
 // Weights (packed by engine/model/block_linear.py), two forms:
 // - unsigned: w[n, k] = scale[n, b] * code[n, k] + min[n, b], b = k / 32, codes 0..15 (bits 4) or 0..31 (bits 8);
@@ -26,9 +26,13 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <atomic>
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 #define AVX2 __attribute__((target("avx2,f16c")))
@@ -40,7 +44,7 @@ constexpr int BLOCK = 32;  // inputs per quantisation block
 constexpr int ROWS = 4;    // activation rows that share one unpacking of a tile's weights
 
 enum class Form { unsigned4, unsigned8, signed32, signed16, narrow32, narrow16 };
-enum class Isa { avx2, vnni };
+enum class Isa { avx2, vnni, amx };
 
 constexpr bool is_narrow(Form f) { return f == Form::narrow32 || f == Form::narrow16; }
 constexpr bool is_signed(Form f) { return f == Form::signed32 || f == Form::signed16 || is_narrow(f); }
@@ -291,21 +295,26 @@ AVX2 void tile_rows_avx2(const Tile<S>& w, const Activations& a, int64_t row0, f
   }
 }
 
+// ---- AMX: sixteen rows of a tile in one multiply per block (engine/model/csrc/block_linear_amx.h) ---------------
+#include "block_linear_amx.h"
+
 // ---- dispatch ----------------------------------------------------------------------------------------------------
 
 template <Form F, Isa I, int R, typename S>
 void tile_rows(const Tile<S>& w, const Activations& a, int64_t row0, float* out, int64_t ldo) {
-  if constexpr (I == Isa::vnni) {
-    tile_rows_vnni<F, R>(w, a, row0, out, ldo);
-  } else {
+  if constexpr (I == Isa::avx2) {
     tile_rows_avx2<F, R>(w, a, row0, out, ldo);
+  } else {  // AMX's rows left over too
+    tile_rows_vnni<F, R>(w, a, row0, out, ldo);
   }
 }
 
-// All M rows of one tile: ROWS at a time, then the rest (each row's arithmetic the same in every group size).
+// All M rows of one tile: with AMX 16 at a time; then ROWS at a time, then the rest (each row's arithmetic the
+// same in every group size and variant).
 template <Form F, Isa I, typename S>
 void tile(const Tile<S>& w, const Activations& a, int64_t M, float* out, int64_t ldo) {
   int64_t row = 0;
+  if constexpr (I == Isa::amx) row = tile_amx<F>(w, a, M, out, ldo);
   for (; row + ROWS <= M; row += ROWS) tile_rows<F, I, ROWS>(w, a, row, out, ldo);
   switch (M - row) {
     case 3: tile_rows<F, I, 3>(w, a, row, out, ldo); break;
@@ -341,13 +350,15 @@ void all_tiles(const Weights<S>& w, const Activations& a, int64_t M, float* out)
   const int64_t chunk = std::max<int64_t>(1, (w.tiles + 8 * threads - 1) / (8 * threads));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    if constexpr (I == Isa::amx) configure_amx<F>();  // tile configuration is per thread
     for (int64_t begin; (begin = next.fetch_add(chunk)) < w.tiles;) {
       tile_range<F, I>(w, a, M, out, begin, std::min(begin + chunk, w.tiles));
     }
+    if constexpr (I == Isa::amx) release_amx();
   });
 }
 
-// VNNI multiplies narrow codes as any signed ones (code + 128 costs it nothing more).
+// VNNI and AMX multiply narrow codes as any signed ones (code + 128 costs VNNI nothing more).
 template <Isa I, typename S>
 void run(Form form, const Weights<S>& w, const Activations& a, int64_t M, float* out) {
   constexpr bool avx2 = I == Isa::avx2;
@@ -363,21 +374,30 @@ void run(Form form, const Weights<S>& w, const Activations& a, int64_t M, float*
 
 template <typename S>
 void run_with(Isa isa, Form form, const Weights<S>& w, const Activations& a, int64_t M, torch::Tensor& out) {
-  if (isa == Isa::vnni) {
+  if (isa == Isa::amx) {
+    run<Isa::amx>(form, w, a, M, out.data_ptr<float>());
+  } else if (isa == Isa::vnni) {
     run<Isa::vnni>(form, w, a, M, out.data_ptr<float>());
   } else {
     run<Isa::avx2>(form, w, a, M, out.data_ptr<float>());
   }
 }
 
+bool vnni_supported() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+}
+
 Isa parse_isa(c10::string_view isa) {
+  if (isa == "amx") {
+    TORCH_CHECK(vnni_supported() && amx_permitted(), "block_linear: this CPU (or its kernel) does not run AMX-INT8");
+    return Isa::amx;
+  }
   if (isa == "avx512vnni") {
-    TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                    __builtin_cpu_supports("avx512vnni"),
-                "block_linear: this CPU lacks AVX512-VNNI");
+    TORCH_CHECK(vnni_supported(), "block_linear: this CPU lacks AVX512-VNNI");
     return Isa::vnni;
   }
-  TORCH_CHECK(isa == "avx2", "block_linear: isa must be \"avx512vnni\" or \"avx2\", got \"", std::string(isa), "\"");
+  TORCH_CHECK(isa == "avx2", "block_linear: isa must be \"amx\", \"avx512vnni\" or \"avx2\", got \"",
+              std::string(isa), "\"");
   TORCH_CHECK(__builtin_cpu_supports("avx2"), "block_linear: this CPU lacks AVX2");
   return Isa::avx2;
 }
@@ -395,9 +415,11 @@ Form parse_form(bool has_mins, int64_t bits, int64_t sub) {
 
 }  // namespace
 
+bool has_amx() { return vnni_supported() && amx_permitted(); }
+
 // x [M, K] float32; codes [N / 16, K / 32, 256 (bits 4) or 512] uint8; scales [N / 16, K / 32, 32 / sub, 16] float32
-// or float16; mins [N / 16, K / 32, 16] of the scales' dtype (unsigned form) or None (signed); isa "avx512vnni" or
-// "avx2" -> [M, N] float32.
+// or float16; mins [N / 16, K / 32, 16] of the scales' dtype (unsigned form) or None (signed); isa "amx",
+// "avx512vnni" or "avx2" -> [M, N] float32.
 torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                            const std::optional<torch::Tensor>& mins, int64_t bits, int64_t sub, c10::string_view isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: [M, K] contiguous float32");

@@ -42,6 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_attention_isa", &row_attention_isa, "which variant of row_attention runs: avx512, avx2 or none");
   m.def("set_row_attention_isa", &set_row_attention_isa, "run row_attention's avx512 or avx2 variant (tests)");
   m.def("has_vnni", &has_vnni, "whether this CPU runs block_linear's AVX512-VNNI variant");
+  m.def("has_amx", &has_amx, "whether this CPU and kernel run block_linear's AMX variant (AMX-INT8 and AVX512-VNNI)");
   m.def("has_avx2", &has_avx2, "whether this CPU runs block_linear's AVX2 variant");
   m.def("fused_ops_isa", &fused_ops_isa, "which variant of fused_ops.cpp runs: avx512, avx2 or generic");
   m.def("set_fused_ops_isa", &set_fused_ops_isa, "run fused_ops.cpp's avx512, avx2 or generic variant (tests)");

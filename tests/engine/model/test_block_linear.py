@@ -1,6 +1,7 @@
-"""The block_linear kernel: integer dot products of 8-bit activations with a GGUF's weight blocks, on AVX512-VNNI and
-AVX2, equal bit for bit to a reference that reproduces its float32 steps, the same for a row whatever rows it is
-computed with, and the same on both instruction sets."""
+"""The block_linear kernel: integer dot products of 8-bit activations with a GGUF's weight blocks, on AMX,
+AVX512-VNNI and AVX2, equal bit for bit to a reference that reproduces its float32 steps, the same for a row whatever
+rows it is computed with, and the same on every instruction set. AMX multiplies rows 16 at a time from 16 (signed codes)
+or 32 rows (unsigned) and leaves the rest to VNNI: the tests take more than 32 rows so that both run."""
 import pytest
 import torch
 
@@ -84,9 +85,9 @@ def test_the_kernel_computes_the_arithmetic_it_claims_bit_for_bit(form, isa, sha
     layer = BlockLinear.from_blocks(weights, isa=isa)
     assert layer.scales.dtype == (torch.float16 if halves else torch.float32)
     assert layer.mins is None or layer.mins.dtype == layer.scales.dtype
-    x = activations(7, shape[1], seed=1)
+    x = activations(37, shape[1], seed=1)
     out = layer(x)
-    assert out.shape == (7, shape[0]) and out.dtype == torch.float32
+    assert out.shape == (37, shape[0]) and out.dtype == torch.float32
     assert torch.equal(out, reference(x, weights))
 
 
@@ -94,24 +95,27 @@ def test_the_kernel_computes_the_arithmetic_it_claims_bit_for_bit(form, isa, sha
 @pytest.mark.parametrize("isa", ISA_PARAMS)
 @pytest.mark.parametrize("form", FORMS)
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it(form, isa, halves):
-    """Rows alone, in groups of 4 (the kernel's row blocking) and in partial groups give bit-identical outputs."""
+    """Rows alone, in groups of 4 and 16 (the kernels' row blocking) and in partial groups give bit-identical
+    outputs."""
     layer = BlockLinear.from_blocks(random_weights(form, 128, 192, seed=3, halves=halves), isa=isa)
-    x = activations(11, 192, seed=2)
+    x = activations(37, 192, seed=2)
     whole = layer(x)
-    assert torch.equal(torch.cat([layer(x[i:i + 1]) for i in range(11)]), whole)
-    for start, end in ((0, 4), (1, 4), (3, 10), (5, 11), (4, 8)):
+    assert torch.equal(torch.cat([layer(x[i:i + 1]) for i in range(37)]), whole)
+    for start, end in ((0, 4), (1, 4), (3, 10), (5, 11), (4, 8), (0, 16), (3, 19), (16, 37), (0, 32), (5, 37)):
         assert torch.equal(layer(x[start:end]), whole[start:end])
 
 
 @pytest.mark.parametrize("halves", [False, True], ids=["float32-scales", "float16-scales"])
 @pytest.mark.parametrize("form", FORMS)
-def test_avx2_and_avx512_vnni_give_the_same_bits(form, halves):
-    if not all(isa_supported(isa) for isa in ISAS):
-        pytest.skip("this CPU lacks one of " + ", ".join(ISAS))
+def test_every_instruction_set_gives_the_same_bits(form, halves):
+    supported = [isa for isa in ISAS if isa_supported(isa)]
+    if len(supported) < 2:
+        pytest.skip(f"this CPU runs one of {', '.join(ISAS)} only: nothing to compare")
     weights = random_weights(form, 200, 320, seed=5, halves=halves)
-    x = activations(9, 320, seed=4)
-    vnni, avx2 = (BlockLinear.from_blocks(weights, isa=isa)(x) for isa in ISAS)
-    assert torch.equal(vnni, avx2)
+    x = activations(41, 320, seed=4)
+    first, *others = (BlockLinear.from_blocks(weights, isa=isa)(x) for isa in supported)
+    for other in others:
+        assert torch.equal(first, other)
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -162,6 +166,10 @@ def test_weights_the_kernel_cannot_multiply_exactly_are_refused():
 def test_the_isa_cap_is_honoured(monkeypatch):
     from engine.model.cpu_kernels import cpu_isa, row_attention_available
 
+    monkeypatch.delenv("SPECSERVE_CPU_ISA", raising=False)
+    assert cpu_isa() == next((isa for isa in ISAS if isa_supported(isa)), None)  # the best this CPU has
+    monkeypatch.setenv("SPECSERVE_CPU_ISA", "avx512vnni")
+    assert cpu_isa() == ("avx512vnni" if isa_supported("avx512vnni") else "avx2" if isa_supported("avx2") else None)
     monkeypatch.setenv("SPECSERVE_CPU_ISA", "avx2")
     assert cpu_isa() == ("avx2" if isa_supported("avx2") else None)
     monkeypatch.setenv("SPECSERVE_CPU_ISA", "none")
