@@ -25,6 +25,7 @@
 // 4 * 63 * 127) before widening, the sum started at -32 * sum q: half the instructions per weight and row.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "ops.h"
 #include <immintrin.h>
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -383,17 +384,13 @@ void run_with(Isa isa, Form form, const Weights<S>& w, const Activations& a, int
   }
 }
 
-bool vnni_supported() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
-}
-
 Isa parse_isa(c10::string_view isa) {
   if (isa == "amx") {
-    TORCH_CHECK(vnni_supported() && amx_permitted(), "block_linear: this CPU (or its kernel) does not run AMX-INT8");
+    TORCH_CHECK(has_vnni() && amx_permitted(), "block_linear: this CPU (or its kernel) does not run AMX-INT8");
     return Isa::amx;
   }
   if (isa == "avx512vnni") {
-    TORCH_CHECK(vnni_supported(), "block_linear: this CPU lacks AVX512-VNNI");
+    TORCH_CHECK(has_vnni(), "block_linear: this CPU lacks AVX512-VNNI");
     return Isa::vnni;
   }
   TORCH_CHECK(isa == "avx2", "block_linear: isa must be \"amx\", \"avx512vnni\" or \"avx2\", got \"",
@@ -415,7 +412,7 @@ Form parse_form(bool has_mins, int64_t bits, int64_t sub) {
 
 }  // namespace
 
-bool has_amx() { return vnni_supported() && amx_permitted(); }
+bool has_amx() { return has_vnni() && amx_permitted(); }
 
 // x [M, K] float32; codes [N / 16, K / 32, 256 (bits 4) or 512] uint8; scales [N / 16, K / 32, 32 / sub, 16] float32
 // or float16; mins [N / 16, K / 32, 16] of the scales' dtype (unsigned form) or None (signed); isa "amx",

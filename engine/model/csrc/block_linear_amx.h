@@ -84,15 +84,15 @@ AMX_INLINE void multiply_block(const uint8_t* codes, const int8_t* x, int64_t K,
   }
 }
 
-// acc[r] += block B's dots of rows row0 .. row0 + R - 1 in the VNNI variant's float32 steps.
-template <Form F, int R, typename S>
+// acc[r] += block B's dots of rows row0 .. row0 + 15 in the VNNI variant's float32 steps.
+template <Form F, typename S>
 AMX_INLINE void scale_block(const Tile<S>& w, const Activations& a, int64_t row0, int64_t b,
                             int32_t (*dots)[AMX_ROWS][TILE], __m512* acc) {
   const S* scale = w.scales + b * block_scales(F);
   const __m512 scale0 = load16(scale);
   __m512 mins = _mm512_setzero_ps();
   if constexpr (!is_signed(F)) mins = load16(w.mins + b * TILE);
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < AMX_ROWS; ++r) {
     const int64_t row = row0 + r;
     __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots[0][r])), scale0);
     if constexpr (two_scales(F)) {
@@ -113,23 +113,23 @@ AMX_INLINE void multiply_next(const uint8_t* codes, const int8_t* x, const Activ
 }
 
 // Block b (in slot SLOT, its multiply done) scaled into acc, then the slot's next block multiplied.
-template <Form F, int R, int SLOT, typename S>
+template <Form F, int SLOT, typename S>
 AMX_INLINE void step(const Tile<S>& w, const uint8_t* codes, const Activations& a, int64_t row0, int64_t b,
                      int32_t (*dots)[2][AMX_ROWS][TILE], __m512* acc) {
   if (b >= a.blocks) return;
-  scale_block<F, R>(w, a, row0, b, dots[SLOT], acc);
+  scale_block<F>(w, a, row0, b, dots[SLOT], acc);
   multiply_next<F, SLOT>(codes, a.codes + row0 * a.K, a, b + amx_slots<F>(), dots);
 }
 
-// R rows of one tile from row0, its blocks' codes at CODES as the B operand (8 x 64 bytes a block); the
-// tile configuration is loaded (all_tiles). Block b's dots are scaled while the next slots - 1 blocks multiply.
-template <Form F, int R, typename S>
+// 16 rows of one tile from row0, its blocks' codes at CODES as the B operand (8 x 64 bytes a block); the tile
+// configuration is loaded (all_tiles). Block b's dots are scaled while the next slots - 1 blocks multiply.
+template <Form F, typename S>
 AMX void tile_rows_amx(const Tile<S>& w, const uint8_t* codes, const Activations& a, int64_t row0, float* out,
                        int64_t ldo) {
   constexpr int slots = amx_slots<F>();
   alignas(64) int32_t dots[slots][2][AMX_ROWS][TILE];  // [slot][half]
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[AMX_ROWS];
+  for (int r = 0; r < AMX_ROWS; ++r) acc[r] = _mm512_setzero_ps();
   const int8_t* x = a.codes + row0 * a.K;
   multiply_next<F, 0>(codes, x, a, 0, dots);
   multiply_next<F, 1>(codes, x, a, 1, dots);
@@ -138,26 +138,22 @@ AMX void tile_rows_amx(const Tile<S>& w, const uint8_t* codes, const Activations
     multiply_next<F, 3>(codes, x, a, 3, dots);
   }
   for (int64_t b = 0; b < a.blocks; b += slots) {
-    step<F, R, 0>(w, codes, a, row0, b, dots, acc);
-    step<F, R, 1>(w, codes, a, row0, b + 1, dots, acc);
+    step<F, 0>(w, codes, a, row0, b, dots, acc);
+    step<F, 1>(w, codes, a, row0, b + 1, dots, acc);
     if constexpr (slots == 4) {
-      step<F, R, 2>(w, codes, a, row0, b + 2, dots, acc);
-      step<F, R, 3>(w, codes, a, row0, b + 3, dots, acc);
+      step<F, 2>(w, codes, a, row0, b + 2, dots, acc);
+      step<F, 3>(w, codes, a, row0, b + 3, dots, acc);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (row0 + r) * ldo, acc[r]);
+  for (int r = 0; r < AMX_ROWS; ++r) _mm512_storeu_ps(out + (row0 + r) * ldo, acc[r]);
 }
 
-// A tile's 4-bit codes as bytes, block by block in group order (group j's nibbles, low ones for j < 4).
+// A tile's 4-bit codes as bytes, block by block in group order, as the VNNI variant unpacks them.
 AMX void unpack_tile(const uint8_t* codes, int64_t blocks, uint8_t* unpacked) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
-    for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(codes + b * 4 * GROUP_BYTES + j * GROUP_BYTES);
-      _mm512_storeu_si512(unpacked + b * 8 * GROUP_BYTES + j * GROUP_BYTES, _mm512_and_si512(v, low));
-      _mm512_storeu_si512(unpacked + b * 8 * GROUP_BYTES + (j + 4) * GROUP_BYTES,
-                          _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
-    }
+    __m512i groups[8];
+    load_vnni<Form::unsigned4>(codes + b * block_bytes(Form::unsigned4), groups);
+    for (int j = 0; j < 8; ++j) _mm512_storeu_si512(unpacked + (b * 8 + j) * GROUP_BYTES, groups[j]);
   }
   asm volatile("" : : "r"(unpacked) : "memory");  // the tile loads read them: no store may sink past
 }
@@ -172,14 +168,14 @@ template <Form F, typename S>
 int64_t tile_amx(const Tile<S>& w, const Activations& a, int64_t M, float* out, int64_t ldo) {
   if (M < amx_min_rows<F>()) return 0;
   const uint8_t* codes = w.codes;
-  thread_local std::vector<uint8_t> unpacked;
   if constexpr (F == Form::unsigned4) {
+    thread_local std::vector<uint8_t> unpacked;
     unpacked.resize(a.blocks * 8 * GROUP_BYTES);
     unpack_tile(w.codes, a.blocks, unpacked.data());
     codes = unpacked.data();
   }
   int64_t row = 0;
-  for (; row + AMX_ROWS <= M; row += AMX_ROWS) tile_rows_amx<F, AMX_ROWS>(w, codes, a, row, out, ldo);
+  for (; row + AMX_ROWS <= M; row += AMX_ROWS) tile_rows_amx<F>(w, codes, a, row, out, ldo);
   return row;
 }
 

@@ -24,7 +24,8 @@ void spans_attention(const torch::Tensor& query, const torch::Tensor& keys, cons
                      at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::TensorList key_slots,
                      at::TensorList masks, double scaling, torch::Tensor& out);
 torch::Tensor sample_rows(const torch::Tensor& logits, double inv_temperature, at::ArrayRef<double> uniforms);
-bool has_amx();
+bool has_vnni();  // module.cpp
+bool has_amx();  // block_linear.cpp
 std::string row_attention_isa();
 void set_row_attention_isa(const std::string& isa);
 std::string fused_ops_isa();
