@@ -11,6 +11,17 @@ every request (the planner off), and its drafting time per drafted token is set 
 decode steps of the same engine, timed between its drafting steps (drafting turned off for two steps: the first
 verifies the last draft, the second is a plain decode), so that the ratio holds on a host whose speed drifts between
 cases. Each figure is the median over the repeats.
+
+The row ladder: at batch 1, steps verifying 0, 1, 2, ... drafted tokens (LADDER), each repeat timing every count in
+turn, so that a drift of the host's speed falls on all of them alike. Its slope is what a verified row costs at batch 1
+beside a decode step: a drafted token pays only where it is accepted more often than its row and its drafting cost
+together take of a decode step.
+
+With `--draft-model`, last, a single stream as served (the planner on): `none` and `draft` answer the first
+SERVING_PROMPTS MT-Bench questions (turn 1, greedy, SERVING_TOKENS new tokens), the two engines in turns, the first
+question a warm-up. Over their decode steps: milliseconds and tokens a step, drafted tokens verified a step (the
+planner's choice) and the share of them accepted, and what a verified drafted token adds to a step beside `none`'s
+(its drafting, its row and the planner's work together): the acceptance a drafted token needs to pay.
 """
 from __future__ import annotations
 
@@ -19,6 +30,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -36,6 +48,9 @@ REPEATS = 7
 DRAFT_LEN = 15  # drafted tokens per request in a verify step: 16 tokens with the last real one
 MODEL_DRAFT_TOKENS = 5  # tokens the draft model drafts per request in a drafting step
 CONTEXT_LEN = 512  # tokens of each request's context when it is measured
+LADDER = (0, 1, 2, 3, 5, 7)  # drafted tokens verified per step in the row ladder (batch 1): a few, as drafters verify
+SERVING_PROMPTS = 8  # MT-Bench questions of the single-stream comparison, the first a warm-up
+SERVING_TOKENS = 192  # new tokens of each answer there
 PHASES = ("schedule", "forward", "verify", "update", "draft", "wire")
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
               "specserve::block_linear",
@@ -56,16 +71,17 @@ def category(op_name: str) -> str:
 
 
 class FixedDraft:
-    """Drafts DRAFT_LEN tokens for every request, copied from its own prompt."""
+    """Drafts LENGTH tokens for every request, copied from its own prompt."""
 
-    def __init__(self, drafter) -> None:
+    def __init__(self, drafter, length: int = DRAFT_LEN) -> None:
         self.inner = drafter
+        self.length = length
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def propose(self, reqs):
-        return [Draft(list(req.prompt_token_ids[:DRAFT_LEN]), "fixed") for req in reqs]
+        return [Draft(list(req.prompt_token_ids[:self.length]), "fixed") for req in reqs]
 
 
 def prefilled_engine(config, prompts: list[list[int]]):
@@ -141,6 +157,32 @@ def profile_case(config, prompts: list[list[int]], verify: bool, model_draft: bo
     return row
 
 
+def row_ladder(config, prompt: list[int]) -> dict:
+    """Steps of one request verifying each count of LADDER drafted tokens (the planner off), every count timed in
+    turn within a repeat: the median step milliseconds by count, and the least-squares slope over the counts from 1
+    (a verified row's milliseconds); the tokens each count's step carried."""
+    engine = prefilled_engine(config, [prompt])
+    drafter = engine.speculation.drafter = FixedDraft(engine.speculation.drafter)
+    times: dict[int, list[float]] = {count: [] for count in LADDER}
+    tokens: dict[int, int] = {}
+    for repeat in range(REPEATS + 1):  # the first repeat's one-off work stays out
+        for count in LADDER:
+            drafter.length = count
+            decoding = [req for req in engine.scheduler.running if req.is_decoding]
+            engine.scheduler.set_drafts(decoding, drafter.propose(decoding))
+            phases, _, tokens[count] = timed_step(engine, profile=False)
+            if repeat:
+                times[count].append(sum(phases.values()))
+    step_ms = {count: round(statistics.median(values), 2) for count, values in times.items()}
+    drafted = [count for count in LADDER if count]
+    mean_count = sum(drafted) / len(drafted)
+    mean_ms = sum(step_ms[count] for count in drafted) / len(drafted)
+    slope = sum((count - mean_count) * (step_ms[count] - mean_ms) for count in drafted) / sum(
+        (count - mean_count) ** 2 for count in drafted)
+    return {"batch": 1, "step_ms_by_drafted": step_ms, "tokens_by_drafted": tokens, "ms_per_row": round(slope, 4),
+            "row_share_of_decode": round(slope / step_ms[0], 4)}
+
+
 def decode_between_drafts(engine) -> tuple[dict[str, float], None, int]:
     """A plain decode step of ENGINE, which drafts with a model, as `timed_step` gives it: drafting off for two steps
     (the first verifies the draft before it), the second timed, then drafting back on."""
@@ -153,6 +195,35 @@ def decode_between_drafts(engine) -> tuple[dict[str, float], None, int]:
         drafter.max_tokens = max_tokens
 
 
+def single_stream(config, prompts: list[list[int]], max_tokens: int = SERVING_TOKENS) -> dict:
+    """`none` and `draft` (CONFIG's planner, as served) answering PROMPTS one at a time, in turns, the first a warm-up;
+    per drafter the means over its decode steps (steps carrying nothing beyond their token and drafts)."""
+    engines = {name: Engine(config.with_drafter(name)) for name in ("none", "draft")}
+    totals = {name: Counter() for name in engines}
+    for index, prompt in enumerate(prompts):
+        for name, engine in engines.items():
+            engine.add_request(EngineRequest(f"s{index}", prompt,
+                                             SamplingParams(temperature=0.0, max_tokens=max_tokens)))
+            while engine.has_work:
+                stats = engine.step().stats
+                if index and stats.num_scheduled_tokens == 1 + stats.num_verified_draft_tokens:
+                    totals[name].update(steps=1, seconds=stats.step_seconds, tokens=stats.num_generated_tokens,
+                                        verified=stats.num_verified_draft_tokens, accepted=stats.num_accepted_tokens)
+    rows = {name: {"tokens_per_s": round(t["tokens"] / t["seconds"], 2),
+                   "ms_per_step": round(1000 * t["seconds"] / t["steps"], 3),
+                   "tokens_per_step": round(t["tokens"] / t["steps"], 3),
+                   "verified_per_step": round(t["verified"] / t["steps"], 3),
+                   "accepted_share": round(t["accepted"] / t["verified"], 3) if t["verified"] else None}
+            for name, t in totals.items()}
+    none, draft = rows["none"], rows["draft"]
+    added = (draft["ms_per_step"] - none["ms_per_step"]) / draft["verified_per_step"] \
+        if draft["verified_per_step"] else None
+    return {"questions": len(prompts) - 1, "max_new_tokens": max_tokens, "drafters": rows,
+            "speedup": round(draft["tokens_per_s"] / none["tokens_per_s"], 3),
+            "ms_added_per_verified_token": None if added is None else round(added, 3),
+            "break_even_acceptance": None if added is None else round(added / none["ms_per_step"], 3)}
+
+
 def run_step_profile(args, config, tokenizer, out_dir: Path) -> dict:
     questions = load_questions("mt-redundant", args.data_dir)
     prompts = [context_of(tokenizer, q) for q in questions[:16]]
@@ -162,7 +233,11 @@ def run_step_profile(args, config, tokenizer, out_dir: Path) -> dict:
     if config.model.draft_model:
         rows += [profile_case(config, prompts[:batch], False, model_draft=True) for batch in (1, 16)]
     results = {"benchmark": "step-profile", "command": "specserve " + shlex.join(sys.argv[1:]),
-               "weights": rows[0]["weights"], "threads": torch.get_num_threads(), "rows": rows}
+               "weights": rows[0]["weights"], "threads": torch.get_num_threads(), "rows": rows,
+               "row_ladder": row_ladder(config, prompts[0])}
+    if config.model.draft_model and getattr(tokenizer, "chat_template", None) is not None:
+        questions = load_questions("mt-bench", args.data_dir)[:SERVING_PROMPTS]
+        results["single_stream"] = single_stream(base, [turn_prompts(tokenizer, q, None) for q in questions])
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     (out_dir / "results.md").write_text(markdown(results))
@@ -198,4 +273,39 @@ def markdown(results: dict) -> str:
             lines += ["", f"Draft model at batch {row['batch']}: {per_token:.2f} ms per drafted token, "
                           f"{per_token / decode:.1%} of a decode step ({decode:.1f} ms, the same engine's, timed "
                           "between its drafting steps)."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ladder_markdown(results.get("row_ladder"))
+                     + stream_markdown(results.get("single_stream"))) + "\n"
+
+
+def ladder_markdown(ladder: dict | None) -> list[str]:
+    if ladder is None:
+        return []
+    counts = ladder["step_ms_by_drafted"]
+    decode = counts.get(0) or counts.get("0")  # a key as JSON gives it back
+    return ["", "Rows verified at batch 1 (each repeat times every count in turn; step milliseconds, median):", "",
+            "| drafted tokens | " + " | ".join(str(count) for count in counts) + " |",
+            "|---|" + "---|" * len(counts),
+            "| step ms | " + " | ".join(f"{ms:.1f}" for ms in counts.values()) + " |",
+            "| × decode | " + " | ".join(f"{ms / decode:.2f}" for ms in counts.values()) + " |", "",
+            f"A verified row: {ladder['ms_per_row']:.2f} ms, {ladder['row_share_of_decode']:.1%} of a decode step "
+            "(least squares over the counts from 1). A drafted token pays at batch 1 only where it is accepted more "
+            "often than that share and its drafting cost's share of a decode step together."]
+
+
+def stream_markdown(stream: dict | None) -> list[str]:
+    if stream is None:
+        return []
+    lines = ["", f"Single stream, the planner on ({stream['questions']} MT-Bench questions after a warm-up, greedy, "
+                 f"{stream['max_new_tokens']} tokens, `none` and `draft` in turns; decode steps):", "",
+             "| drafter | tokens/s | ms a step | tokens a step | drafted tokens verified a step | accepted share |",
+             "|---|---|---|---|---|---|"]
+    for name, row in stream["drafters"].items():
+        accepted = "–" if row["accepted_share"] is None else f"{row['accepted_share']:.2f}"
+        lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {row['ms_per_step']:.2f} | {row['tokens_per_step']:.2f} "
+                     f"| {row['verified_per_step']:.2f} | {accepted} |")
+    lines += ["", f"`draft` ÷ `none`: {stream['speedup']:.2f}×."]
+    if stream["ms_added_per_verified_token"] is not None:
+        lines[-1] += (f" A verified drafted token adds {stream['ms_added_per_verified_token']:.2f} ms to a step "
+                      f"(drafting, its row, the planner): it pays where accepted more than "
+                      f"{stream['break_even_acceptance']:.0%} of the time.")
+    return lines
