@@ -175,10 +175,7 @@ def row_ladder(config, prompt: list[int]) -> dict:
                 times[count].append(sum(phases.values()))
     step_ms = {count: round(statistics.median(values), 2) for count, values in times.items()}
     drafted = [count for count in LADDER if count]
-    mean_count = sum(drafted) / len(drafted)
-    mean_ms = sum(step_ms[count] for count in drafted) / len(drafted)
-    slope = sum((count - mean_count) * (step_ms[count] - mean_ms) for count in drafted) / sum(
-        (count - mean_count) ** 2 for count in drafted)
+    slope, _ = statistics.linear_regression(drafted, [step_ms[count] for count in drafted])
     return {"batch": 1, "step_ms_by_drafted": step_ms, "tokens_by_drafted": tokens, "ms_per_row": round(slope, 4),
             "row_share_of_decode": round(slope / step_ms[0], 4)}
 
@@ -236,8 +233,8 @@ def run_step_profile(args, config, tokenizer, out_dir: Path) -> dict:
                "weights": rows[0]["weights"], "threads": torch.get_num_threads(), "rows": rows,
                "row_ladder": row_ladder(config, prompts[0])}
     if config.model.draft_model and getattr(tokenizer, "chat_template", None) is not None:
-        questions = load_questions("mt-bench", args.data_dir)[:SERVING_PROMPTS]
-        results["single_stream"] = single_stream(base, [turn_prompts(tokenizer, q, None) for q in questions])
+        mt_bench = load_questions("mt-bench", args.data_dir)[:SERVING_PROMPTS]
+        results["single_stream"] = single_stream(base, [turn_prompts(tokenizer, q, None) for q in mt_bench])
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     (out_dir / "results.md").write_text(markdown(results))
@@ -281,7 +278,7 @@ def ladder_markdown(ladder: dict | None) -> list[str]:
     if ladder is None:
         return []
     counts = ladder["step_ms_by_drafted"]
-    decode = counts.get(0) or counts.get("0")  # a key as JSON gives it back
+    decode = counts[0]
     return ["", "Rows verified at batch 1 (each repeat times every count in turn; step milliseconds, median):", "",
             "| drafted tokens | " + " | ".join(str(count) for count in counts) + " |",
             "|---|" + "---|" * len(counts),

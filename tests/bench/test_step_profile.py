@@ -1,5 +1,6 @@
 """bench step-profile on the tiny model: a decode and a verify step timed phase by phase, operators sorted; a draft
-model's drafting step beside the same engine's decode steps; the row ladder at batch 1."""
+model's drafting step beside the same engine's decode steps; the row ladder at batch 1; a single stream of
+none and draft."""
 from dataclasses import replace
 
 from bench.step_profile import (
