@@ -41,9 +41,11 @@ class Draft:
     lookahead_yield: float = 0.0  # the drafter's measure of the tokens a look-ahead row earns later, per row
 
     def __post_init__(self) -> None:
+        """A chain's parents are built valid; given parents are checked (a large batch builds a draft per request a
+        step, most of them empty)."""
         if self.parents is None:
             object.__setattr__(self, "parents", chain_parents(len(self.token_ids)))
-        if len(self.parents) != len(self.token_ids) or any(not -1 <= p < i for i, p in enumerate(self.parents)):
+        elif len(self.parents) != len(self.token_ids) or any(not -1 <= p < i for i, p in enumerate(self.parents)):
             raise ValueError("a draft lists each token after its parent, one parent index per token")
 
     def __len__(self) -> int:
@@ -108,8 +110,9 @@ class ModelForward(Protocol):
     ) -> list[torch.Tensor]:
         """(request id, token ids, position of the first) per request -> per chain [num_logits, vocab] logits."""
 
-    def reserve(self, reqs: list, beside: list) -> dict[str, int]:
-        """Request id -> how many tokens it may draft this step (the scheduler decides and reserves blocks)."""
+    def reserve(self, reqs: list, beside: list, unread: dict[str, int]) -> dict[str, int]:
+        """Request id -> how many tokens it may draft this step (the scheduler decides and reserves blocks); UNREAD:
+        per request id, the tokens the model has not read of it, which its next round's first forward reads."""
 
     def probs(self, logits: torch.Tensor, params: object) -> torch.Tensor:
         """[vocab] logits -> the distribution a request with sampling PARAMS samples from."""

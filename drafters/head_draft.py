@@ -221,6 +221,9 @@ class HeadDrafter(ModelDrafter):
         confidence = [q for level in self._confidence[req.request_id] for q in level]
         return Draft(tree, self.name, parents, acceptance=confidence)
 
+    def _unread(self, req: DraftableRequest) -> int:
+        return len(req.all_token_ids) - self._kv[req.request_id].num_valid
+
     def _catch_up(self, req: DraftableRequest) -> tuple[tuple[str, list[int], int], torch.Tensor]:
         """The chain of the request's tokens the head has not read, and the target's states they read (unfused)."""
         kv, end = self._kv[req.request_id], len(req.all_token_ids)

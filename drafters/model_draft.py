@@ -120,13 +120,19 @@ class ModelDrafter(DrafterBase):
     ) -> list[Draft]:
         """Drafts for REQS; BESIDE: the rest of the batch's decoding requests with their drafts, which the scheduler
         weighs the draft's cost against."""
-        allowed = self.forward.reserve(list(reqs), list(beside))
+        allowed = self.forward.reserve(list(reqs), list(beside), {req.request_id: self._unread(req) for req in reqs})
         budgets = {req.request_id: min(allowed.get(req.request_id, 0), self.max_tokens) for req in reqs}
         drafted, probs = self._draft([req for req in reqs if budgets[req.request_id] > 0], budgets)
         for req in reqs:
             self._keep(req, drafted.get(req.request_id, []), probs.get(req.request_id))
         acceptance = self._companion_estimates([req for req in reqs if drafted.get(req.request_id)])
         return [self._as_draft(r, drafted.get(r.request_id, []), acceptance.get(r.request_id)) for r in reqs]
+
+    def _unread(self, req: DraftableRequest) -> int:
+        """The request's tokens the draft model has not computed: its next round's first forward reads them."""
+        kv = self.draft_kv
+        read = req.num_computed_tokens if kv.forward.shares_target_kv else kv.num_valid.get(req.request_id, 0)
+        return len(req.all_token_ids) - read
 
     def _as_draft(self, req: DraftableRequest, token_ids: list[int], acceptance: list[float] | None) -> Draft:
         """The draft of the request's drafted chain TOKEN_IDS."""

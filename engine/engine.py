@@ -304,11 +304,13 @@ class Engine:
         self._add_cache_stats(update.stats)
         return draft_seconds
 
-    def _reserve_model_drafts(self, reqs: list[Request], beside: list[tuple[Request, Draft]]) -> dict[str, int]:
+    def _reserve_model_drafts(
+        self, reqs: list[Request], beside: list[tuple[Request, Draft]], unread: dict[str, int],
+    ) -> dict[str, int]:
         """For the requests about to draft with the draft model, how many tokens each may draft (their blocks reserved),
-        beside the rest of the batch's drafts."""
+        beside the rest of the batch's drafts; UNREAD: what the model has not read of each."""
         return self.scheduler.reserve_model_drafts(reqs, self.num_draft_tokens, "draft", beside,
-                                                   knows_acceptance=self.draft_forward.is_head)
+                                                   knows_acceptance=self.draft_forward.is_head, unread=unread)
 
     def _grammatical(self, reqs: list[Request], drafts: list[Draft]) -> list[Draft]:
         """Drafts cut to what each request's grammar allows, so that forbidden tokens are never verified."""

@@ -12,12 +12,16 @@ from steady rounds: a round whose first forward reads a prompt or what a stretch
 logits a chain where the profile prices one a token, and teaches nothing); N, E: the tokens the rest of the batch is
 expected to verify and yield. The decision prices a round in its steady state, one token per request in each
 forward: what a stretch off leaves unread is read once whenever drafting resumes, and pricing it into every decision
-would keep drafting off for good (the unread tokens only grow). Where not even a draft the target always accepts
+would keep drafting off for good (the unread tokens only grow); instead a request the model has fallen behind on
+drafts in a chosen round only where reading what it missed costs less than the round saves a request, times the
+tokens it may still generate (at B = 64, a round chosen near the end of its answers read 8,000 tokens in 0.9 s). Where not even a draft the target always accepts
 would pay, drafting stays off unprobed. Otherwise d = 0 turns it off and a one-token probe runs once the steps off
 have cost 1/share times the probe (priced at what the last probe took, where that is more than a steady round: a
 probe first reads what the model missed while off, hundreds of tokens at a batch of 16), the share halving from
 EXPLORE_SHARE to MIN_EXPLORE_SHARE after each probe that leaves it off, so its acceptance keeps being measured; an
-off decision holds for the same batch until a probe or KEEP_OFF_STEPS.
+off decision holds for the same batch until a probe or KEEP_OFF_STEPS. A probe drafts for a sample of the batch
+(PROBE_REQUESTS, the same requests from one probe to the next while they last), since its cost is mostly the model
+reading what it missed of each request it drafts for.
 
 A model that estimates its own tokens' acceptance as it drafts them (an EAGLE head: its probability of each token) is
 planned by those estimates for greedy batches, since the verification planner then verifies only the drafted tokens
@@ -33,7 +37,7 @@ blocks allow, and the next step's update gives back what is not accepted.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from drafters.base import Draft
 from drafters.tree import depths
@@ -56,6 +60,10 @@ DRAFTS_KEPT = 64  # a model's last drafts with its own estimates, which decide w
 # decision rests on fresh ones; the probe is priced at what those rounds were expected to lose (little where drafting
 # nearly paid: it is then probed often), or at what the last probe took where that is more
 DRAFTS_TRUSTED = 16
+# a probe, and a round drafting to gather the model's own estimates, draft for at most this many requests of the batch,
+# the ones the last such round drafted for first: a request's first round after a stretch off reads all the model
+# missed of it (its prompt, at its first), and at B = 64 a probe of every request read 6,600 tokens in 0.6 s, four steps
+PROBE_REQUESTS = DRAFTS_TRUSTED
 EXPLORE_SHARE = 0.02  # of the step time, spent on one-token drafts right after the planner turned drafting off
 MIN_EXPLORE_SHARE = 0.002  # ... and after it kept it off through many probes
 
@@ -104,6 +112,9 @@ class ModelDraftBudget:
         # more than a steady round, the more the longer drafting was off; the next probe is budgeted at it
         self.probe_seconds = 0.0
         self._probing = False  # the drafting just reserved is a probe
+        self._sampling = False  # ... or a probe or an exploring round: it drafts for a sample of the batch
+        self._sampled: set[str] = set()  # the requests the last such round drafted for
+        self._round_saving = 0.0  # the seconds a round the planner chose to draft is expected to save a request
         self._off: tuple[tuple, str, int] | None = None  # (batch, NEVER or OFF, steps it still holds) decided last
         # this round's (seconds a yielded token is worth, the learnt acceptance of a token after the first) where the
         # planner chose to draft with a model that knows its acceptance; None: its chains are not cut short
@@ -115,21 +126,47 @@ class ModelDraftBudget:
 
     def reserve(
         self, reqs: list[Request], max_tokens: int, source: str, beside: Sequence[tuple[Request, Draft]] = (),
-        knows_acceptance: bool = False,
+        knows_acceptance: bool = False, unread: Mapping[str, int] | None = None,
     ) -> dict[str, int]:
         """Per request id, how many tokens it drafts with SOURCE's model next; their KV blocks are reserved. BESIDE: the
-        rest of the batch's decoding requests, with the drafts they have. KNOWS_ACCEPTANCE: the model estimates each
+        rest of the batch's decoding requests, with the drafts they have. UNREAD: per request id, the tokens the model
+        has not read of it (none given: it read all but the last). KNOWS_ACCEPTANCE: the model estimates each
         greedy token's acceptance as it drafts it (an EAGLE head's own probability, drafters/head_draft.py), so once
         the planner chooses to draft, a greedy request may draft up to MAX_TOKENS and stops where its path's estimate
         is no longer worth a forward (`continuing`)."""
-        self._source, self._batch, self._max_tokens = source, max(len(reqs), 1), max_tokens
+        self._source, self._max_tokens = source, max_tokens
         depth, chosen = self._depth(reqs, max_tokens, source, beside, knows_acceptance)
         deepest = max_tokens if knows_acceptance and chosen else depth
+        unread = unread or {}
+        if self._sampling:
+            drafting = self._probe_sample(reqs, unread)
+        elif chosen:
+            drafting = {req.request_id for req in reqs if self._worth_catching_up(req, unread.get(req.request_id, 1))}
+        else:
+            drafting = {req.request_id for req in reqs}
+        self._batch = max(len(drafting), 1)
         return {
             req.request_id: self._reserve(
                 req, min(depth if req.sampled else deepest, draft_depth_limit(req, self.max_model_len)))
+            if req.request_id in drafting else 0
             for req in reqs
         }
+
+    def _probe_sample(self, reqs: list[Request], unread: Mapping[str, int]) -> set[str]:
+        """The ids of the requests a probe or an exploring round drafts for: PROBE_REQUESTS at most, those the model
+        has read the most of first, then those the last such round drafted for, then the batch's order."""
+        ordered = sorted(reqs, key=lambda req: (unread.get(req.request_id, 1), req.request_id not in self._sampled))
+        self._sampled = {req.request_id for req in ordered[:PROBE_REQUESTS]}
+        return self._sampled
+
+    def _worth_catching_up(self, req: Request, unread: int) -> bool:
+        """Whether the request drafts in a round the planner chose: a steady one (its model read all but what a step
+        can accept) does; one the model fell behind on where reading the UNREAD tokens once costs less than the
+        round's saving for a request, times the tokens the request may still generate."""
+        if unread <= self._max_tokens + 1:
+            return True
+        catching_up = self.draft_seconds(unread) - self.draft_seconds(1)
+        return catching_up <= self._round_saving * (draft_depth_limit(req, self.max_model_len) + 1)
 
     def observe_drafting_seconds(
         self, seconds: float, draft_forwards: Sequence[int], companion_forwards: Sequence[int] = (),
@@ -165,7 +202,7 @@ class ModelDraftBudget:
         knows_acceptance: bool = False,
     ) -> tuple[int, bool]:
         """The batch's depth, and whether the planner chose it (not a probe, not the fixed depth without a planner)."""
-        self._round_prices = None
+        self._round_prices, self._sampling = None, False
         if self.target_seconds is None or self.draft_seconds is None or not reqs:
             return max_tokens, False
         batch = len(reqs)
@@ -177,6 +214,7 @@ class ModelDraftBudget:
             decision, depth = self._decide(reqs, max_tokens, source, rest_tokens, rest_expected, step_seconds,
                                            selective)
             if decision in (DRAFT, EXPLORE):
+                self._sampling = decision == EXPLORE
                 if decision == DRAFT:
                     self.steps_off = self.probes_off = 0
                     self.probe_seconds = 0.0
@@ -186,12 +224,14 @@ class ModelDraftBudget:
             self._off = (_batch_key(reqs, beside), decision, KEEP_OFF_STEPS)
         if decision == NEVER:
             return 0, False
-        probe = max(self._drafting_seconds(1, batch), self.probe_seconds)
+        sample = min(batch, PROBE_REQUESTS)
+        probe = max(self._drafting_seconds(1, sample), self.probe_seconds)
         if selective:  # its probe drafts until it has fresh drafts, each round expected to lose what its gain lacks
-            probe = max(self.probe_seconds, -(-DRAFTS_TRUSTED // batch) * self.selective_loss)
+            probe = max(self.probe_seconds, -(-DRAFTS_TRUSTED // sample) * sample / batch * self.selective_loss)
         depth = self._probe_depth(step_seconds(0), probe)
         if depth:
-            self._off, self._probing = None, True  # the probe's outcome changes the estimates: decide afresh after it
+            # the probe's outcome changes the estimates: decide afresh after it
+            self._off, self._probing, self._sampling = None, True, True
             if selective:  # its estimates are as old as the off decision: it drafts until it has fresh ones
                 self.recent_drafts.clear()
         return depth, False
@@ -239,10 +279,14 @@ class ModelDraftBudget:
                 return EXPLORE, 1
             gain, cost = self._selective_round(batch, source, rest_tokens, step_seconds(0) / (rest_expected + batch))
             self.selective_loss = max(cost - gain, 0.0)
+            self._round_saving = (gain - cost) / batch
             return (DRAFT, 1) if gain > cost else (OFF, 0)
-        depth = best_draft_depth(
-            self._mean_path_probabilities(reqs, max_tokens, source), batch, step_seconds, rest_expected
-        )
+        path_probs = self._mean_path_probabilities(reqs, max_tokens, source)
+        depth = best_draft_depth(path_probs, batch, step_seconds, rest_expected)
+        # the seconds the step at that depth saves against yielding its expected tokens without drafting
+        expected = rest_expected + batch * (1 + sum(path_probs[:depth]))
+        saved = expected * step_seconds(0) / (rest_expected + batch) - step_seconds(depth)
+        self._round_saving = saved / batch
         return (DRAFT, depth) if depth else (OFF, 0)
 
     def _selective_round(self, batch: int, source: str, rest_tokens: int, token_seconds: float) -> tuple[float, float]:

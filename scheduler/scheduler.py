@@ -8,7 +8,7 @@ drafted tokens are verified (draft_selection.py), and the update after verificat
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from drafters.base import Draft
 from scheduler.acceptance import AcceptanceEstimator, CalibratedEstimator, TreeAcceptance
@@ -107,11 +107,11 @@ class Scheduler:
 
     def reserve_model_drafts(
         self, reqs: list[Request], max_tokens: int, source: str, beside: Sequence[tuple[Request, Draft]] = (),
-        knows_acceptance: bool = False,
+        knows_acceptance: bool = False, unread: Mapping[str, int] | None = None,
     ) -> dict[str, int]:
         """Per request id, how many tokens it drafts with a model before the next step, BESIDE the rest of the batch's
         drafts (scheduler/model_drafts.py)."""
-        return self.model_drafts.reserve(reqs, max_tokens, source, beside, knows_acceptance)
+        return self.model_drafts.reserve(reqs, max_tokens, source, beside, knows_acceptance, unread)
 
     def chains_continuing(self, path_probabilities: Sequence[float]) -> list[bool]:
         """Which greedy chains of a model that knows its tokens' acceptance draft one more token this round."""

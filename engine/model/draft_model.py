@@ -139,10 +139,11 @@ def draft_pool(draft: DraftModel, target_pool: PagedKVPool, device: torch.device
     return PagedKVPool(layers, target_pool.keys.shape[1], kv_heads, head_dim, dtype, device)
 
 
-Reserve = Callable[[list, list], dict[str, int]]  # (requests, the rest of the batch) -> request id -> tokens
+# (requests, the rest of the batch, per request id the tokens the model has not read of it) -> request id -> tokens
+Reserve = Callable[[list, list, dict], dict[str, int]]
 
 
-def reserve_nothing(reqs: list, beside: list) -> dict[str, int]:
+def reserve_nothing(reqs: list, beside: list, unread: dict) -> dict[str, int]:
     """The reserve of a model that never drafts (a companion only scores drafted tokens)."""
     return {}
 

@@ -10,6 +10,7 @@ from scheduler.model_drafts import (
     EXPLORE_SHARE,
     KEEP_OFF_STEPS,
     MIN_EXPLORE_SHARE,
+    PROBE_REQUESTS,
     ModelDraftBudget,
     best_draft_depth,
 )
@@ -98,6 +99,34 @@ def test_the_planner_turns_a_useless_draft_model_off_but_keeps_measuring_it_less
     assert gaps == [round(2 ** i / EXPLORE_SHARE / 2) for i in range(4)] + [round(1 / MIN_EXPLORE_SHARE / 2)] * 3
     model_drafts.estimator.prior, model_drafts.draft_seconds = 0.99, linear(0.0001, 0.001)  # right and cheap now
     assert model_drafts.reserve([req], 5, "draft")["a"] > 0
+
+
+def test_a_probe_drafts_for_a_sample_of_the_batch_the_same_requests_while_they_last():
+    # a probe's cost is mostly the model reading what it missed of each request it drafts for: at a batch of 40 it
+    # drafts for PROBE_REQUESTS of them, the next probe for the same ones, one that finished replaced by another
+    model_drafts, _ = budget(planned=True, rate=0.05)
+    blocks = model_drafts.blocks = KVBlockManager(num_blocks=400, block_size=4)
+    reqs = [decoding_request(f"r{i}", 6, blocks) for i in range(40)]
+
+    def next_probe(batch: list[Request]) -> set[str]:
+        while True:
+            depths = model_drafts.reserve(batch, 5, "draft")
+            if any(depths.values()):
+                return {request_id for request_id, depth in depths.items() if depth}
+
+    first = next_probe(reqs)
+    assert len(first) == PROBE_REQUESTS
+    gone = sorted(first)[0]
+    second = next_probe([req for req in reqs if req.request_id != gone])
+    assert len(second) == PROBE_REQUESTS and first - second == {gone}
+
+
+def test_a_model_that_knows_its_acceptance_gathers_its_first_drafts_from_a_sample_of_the_batch():
+    model_drafts, _ = budget(planned=True, rate=0.5)
+    blocks = model_drafts.blocks = KVBlockManager(num_blocks=400, block_size=4)
+    reqs = [decoding_request(f"r{i}", 6, blocks) for i in range(40)]
+    depths = model_drafts.reserve(reqs, 5, "draft", knows_acceptance=True)
+    assert sorted(depths.values()) == [0] * (40 - PROBE_REQUESTS) + [5] * PROBE_REQUESTS
 
 
 def test_a_probe_is_budgeted_at_what_the_last_one_took():
