@@ -31,7 +31,7 @@ import msgspec
 from bench.data import load_questions
 from bench.exactness import divergence_verdict
 from bench.mt import turn_prompts
-from engine.engine import Engine
+from engine.engine import Engine, freeze_start_up_objects
 from engine.model.draft_model import MODEL_DRAFTERS
 from engine.wire import EngineRequest, SamplingParams
 
@@ -138,6 +138,7 @@ def run_models_benchmark(args: argparse.Namespace, config, tokenizer, out_dir: P
     runs = [(mode, questions) for mode, questions in RUNS if mode in modes]
     engines = {mode: mode_engine(args, config, mode) for mode in modes}
     prompts = question_prompts(args, tokenizer, engines["none"])
+    freeze_start_up_objects()  # as the engine process does
     rows = []
     for level, batch in enumerate(args.concurrency):
         for temperature in TEMPERATURES:

@@ -44,9 +44,11 @@ class EngineLoop:
                 self._exit_if_orphaned()
 
     def run(self) -> None:
-        from engine.engine import Engine  # local: heavy imports (torch, the model) happen in the child process only
+        # local: heavy imports (torch, the model) happen in the child process only
+        from engine.engine import Engine, freeze_start_up_objects
 
         self.engine = Engine(self.config)
+        freeze_start_up_objects()
         ready = self.engine.ready_message()
         logger.info("%s weights; forward latency profile (ms by tokens): %s", ready.weights,
                     {n: round(ms, 1) for n, ms in ready.latency_ms_by_num_tokens.items()})
