@@ -14,14 +14,15 @@ expected to verify and yield. The decision prices a round in its steady state, o
 forward: what a stretch off leaves unread is read once whenever drafting resumes, and pricing it into every decision
 would keep drafting off for good (the unread tokens only grow); instead a request the model has fallen behind on
 drafts in a chosen round only where reading what it missed costs less than the round saves a request, times the
-tokens it may still generate (at B = 64, a round chosen near the end of its answers read 8,000 tokens in 0.9 s). Where not even a draft the target always accepts
-would pay, drafting stays off unprobed. Otherwise d = 0 turns it off and a one-token probe runs once the steps off
-have cost 1/share times the probe (priced at what the last probe took, where that is more than a steady round: a
-probe first reads what the model missed while off, hundreds of tokens at a batch of 16), the share halving from
-EXPLORE_SHARE to MIN_EXPLORE_SHARE after each probe that leaves it off, so its acceptance keeps being measured; an
-off decision holds for the same batch until a probe or KEEP_OFF_STEPS. A probe drafts for a sample of the batch
-(PROBE_REQUESTS, the same requests from one probe to the next while they last), since its cost is mostly the model
-reading what it missed of each request it drafts for.
+tokens it may still generate (at B = 64, a round chosen near the end of its answers read 8,000 tokens in 0.9 s).
+Where not even a draft the target always accepts would pay, drafting stays off unprobed. Otherwise d = 0 turns it off
+and a one-token probe runs once the steps off have cost 1/share times the probe (priced at what the last probe took,
+where that is more than a steady round: a probe first reads what the model missed while off, hundreds of tokens at a
+batch of 16), the share halving from EXPLORE_SHARE to MIN_EXPLORE_SHARE after each probe that leaves it off, so its
+acceptance keeps being measured; an off decision holds for the same batch until a probe or KEEP_OFF_STEPS. A probe
+drafts for a sample of the batch (PROBE_REQUESTS, those the model has read the most of, so mostly the same requests
+from one probe to the next while they last), since its cost is mostly the model reading what it missed of each
+request it drafts for.
 
 A model that estimates its own tokens' acceptance as it drafts them (an EAGLE head: its probability of each token) is
 planned by those estimates for greedy batches, since the verification planner then verifies only the drafted tokens
