@@ -44,8 +44,7 @@ class EngineLoop:
                 self._exit_if_orphaned()
 
     def run(self) -> None:
-        # local: heavy imports (torch, the model) happen in the child process only
-        from engine.engine import Engine, freeze_start_up_objects
+        from engine.engine import Engine, freeze_start_up_objects  # local: torch, the model load in the child only
 
         self.engine = Engine(self.config)
         freeze_start_up_objects()
