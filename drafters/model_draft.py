@@ -43,9 +43,13 @@ class ModelKV:
         self.forward = forward  # engine/model/draft_model.py's DraftForward
         self.num_valid: dict[str, int] = {}
 
+    def computed(self, req: DraftableRequest) -> int:
+        """How many of the request's first tokens the model has computed."""
+        return req.num_computed_tokens if self.forward.shares_target_kv else self.num_valid.get(req.request_id, 0)
+
     def catch_up(self, req: DraftableRequest, then: Sequence[int] = ()) -> tuple[str, list[int], int]:
         """A chain of the request's tokens the model has not computed, ending at its last token, then THEN."""
-        start = req.num_computed_tokens if self.forward.shares_target_kv else self.num_valid.get(req.request_id, 0)
+        start = self.computed(req)
         self.num_valid[req.request_id] = len(req.all_token_ids)
         return req.request_id, [*req.all_token_ids[start:], *then], start
 
@@ -130,9 +134,7 @@ class ModelDrafter(DrafterBase):
 
     def _unread(self, req: DraftableRequest) -> int:
         """The request's tokens the draft model has not computed: its next round's first forward reads them."""
-        kv = self.draft_kv
-        read = req.num_computed_tokens if kv.forward.shares_target_kv else kv.num_valid.get(req.request_id, 0)
-        return len(req.all_token_ids) - read
+        return len(req.all_token_ids) - self.draft_kv.computed(req)
 
     def _as_draft(self, req: DraftableRequest, token_ids: list[int], acceptance: list[float] | None) -> Draft:
         """The draft of the request's drafted chain TOKEN_IDS."""
