@@ -13,14 +13,19 @@ computes them again with the target's (as vLLM does), so the head's KV only ever
 target's states. A state the head needs and does not have (a session resumed past where its states were kept, a prompt
 prefix served from the KV cache) reads zeros, which can cost acceptance, never exactness.
 
-A greedy request's draft is a tree (EAGLE-2's top-k expansion, one level deep at each position): beside each drafted
-token the head's next SIBLINGS most likely tokens hang off the same parent as leaves. They come from the logits the
-chain's forward computed anyway, so they cost the head nothing. Each node carries the head's own probability of its
-token as its acceptance estimate (EAGLE-2's observation, which holds for the shipped head: on MT-Bench, first drafted
-tokens the head gave 0.1-0.2 were accepted 14 % of the time, 0.5-0.6 51 %, 0.9-1.0 93 %; the planner's calibration
-corrects the rest), so the planner verifies the tokens the head is sure of, and chains go on only as long as their
-paths' probabilities are worth another head forward (the scheduler's `continuing`). A sampled request drafts a chain as
-deep as the planner says: its tokens are draws from q, and the verifier's min(1, p/q) rule is a chain's.
+A greedy request's draft is a tree (EAGLE-2's dynamic tree, `HeadTree`): each forward after the first expands the
+TREE_WIDTH likeliest paths' ends at the newest depth in one span of rows (each seeing the real tokens and its own
+ancestors), each expanded node's CHILDREN likeliest tokens become its children, and the draft is the whole tree's
+likeliest nodes, as many as a chain of the budget with its siblings has. On the first 5 MT-Bench questions with the
+planner off (5 levels, 15 nodes) the shipped head's mean acceptance length is 2.15 this way, 1.89 as a chain with
+two siblings a level. Where the head's forward lays out no tree spans (its packed-runner path), the tree is that chain
+with the next SIBLINGS tokens beside each of its tokens, which cost the head nothing more. Each node carries the
+head's own probability of its token given its parent as its acceptance estimate (EAGLE-2's observation, which holds
+for the shipped head: on MT-Bench, first drafted tokens the head gave 0.1-0.2 were accepted 14 % of the time, 0.5-0.6
+51 %, 0.9-1.0 93 %; the planner's calibration corrects the rest), so the planner verifies the tokens the head is sure
+of, and a tree grows only where its paths' probabilities are worth another head forward (the scheduler's
+`continuing`). A sampled request drafts a chain as deep as the planner says: its tokens are draws from q, and the
+verifier's min(1, p/q) rule is a chain's.
 """
 from __future__ import annotations
 
@@ -32,10 +37,17 @@ import torch
 
 from drafters.base import CaptureSpec, Computed, Draft, DraftableRequest, common_prefix_len
 from drafters.model_draft import ModelDrafter
+from drafters.tree import ROOT, TreeRows
 
 # the head's next most likely tokens offered beside each token a greedy request drafts (EAGLE-2 expands its top 8-10
 # at the GPU's almost free rows; on a CPU a verified row costs ~8 % of a step, so only the likeliest few can pay)
 SIBLINGS = 2
+# a greedy request's tree (`HeadTree`): the nodes it expands at each depth, its likeliest paths' ends, and the children
+# each expanded node offers, its likeliest tokens (EAGLE-2 expands 8-10 of 10 on a GPU, for 60 nodes; for the 15 nodes
+# of a tree 5 deep, planner off, on MT-Bench: acceptance length 1.89 at width 1 with 3 children, 2.06 at 3 with 3, 2.11
+# at 3-4 with 4, 2.15 at 5 with 5, no more at 6-8)
+TREE_WIDTH = 5
+CHILDREN = 5
 
 
 @dataclass
@@ -86,6 +98,95 @@ class HeadKV:
         return self.chunks[0]
 
 
+@dataclass
+class TreeNode:
+    token: int
+    parent: int  # index among the tree's nodes; -1: the request's last token
+    probability: float  # the head's, given its parent
+    path: float  # the product of the probabilities from the root
+    depth: int
+    slot: int = -1  # the table position its KV is written at, once expanded
+    output: torch.Tensor | None = None  # [1, hidden] the head's output at its row, once expanded: its children read it
+
+
+class HeadTree:
+    """A greedy request's draft as the head grows it (EAGLE-2's dynamic tree): each forward expands the TREE_WIDTH
+    likeliest paths' ends of the newest depth, whose rows see the request's real tokens and their own ancestors, and
+    each expanded row's CHILDREN likeliest tokens become its children; the draft is the likeliest nodes of the
+    whole tree, as many as a chain with its siblings would have (parents first, as a path's probability never exceeds
+    its parent's). Rows sit at their depth's position and write their KV at slots of their own past the real tokens,
+    ROOM - CONTEXT of them."""
+
+    def __init__(self, context: int, depth: int, room: int, target_ids: torch.Tensor) -> None:
+        self.context, self.depth, self.room, self.target_ids = context, depth, room, target_ids
+        self.nodes: list[TreeNode] = []
+        self._expanded = [ROOT]  # the nodes the last forward's rows fed (the root: the request's last real token)
+        self._newest: list[int] = []
+        self._root_output: torch.Tensor | None = None
+        self._slots_used = 0
+
+    def grow(self, logits: torch.Tensor, outputs: torch.Tensor) -> int:
+        """The last forward's LOGITS [rows, draft vocab] and OUTPUTS [rows, hidden], one row per node it fed, each
+        row's likeliest tokens as that node's children; returns the likeliest child's token."""
+        top = torch.softmax(logits.float(), dim=-1).topk(min(CHILDREN, logits.shape[-1]))
+        self._newest = []
+        for parent, values, indices, output in zip(self._expanded, top.values.tolist(), top.indices, outputs):
+            if parent == ROOT:
+                self._root_output = output[None]
+            else:
+                self.nodes[parent].output = output[None]
+            base, depth = (1.0, 1) if parent == ROOT else (self.nodes[parent].path, self.nodes[parent].depth + 1)
+            for token, probability in zip(self.target_ids[indices].tolist(), values):
+                self._newest.append(len(self.nodes))
+                self.nodes.append(TreeNode(token, parent, probability, base * probability, depth))
+        return self.nodes[self._newest[0]].token
+
+    def candidates(self) -> list[int]:
+        """The newest nodes worth expanding, likeliest first: TREE_WIDTH at most, none at the last depth or past the
+        slots the request has."""
+        if not self._newest or self.nodes[self._newest[0]].depth >= self.depth:
+            return []
+        width = min(TREE_WIDTH, self.room - self.context - self._slots_used)
+        return sorted(self._newest, key=lambda node: -self.nodes[node].path)[:max(width, 0)]
+
+    def expand(self, chosen: list[int]) -> tuple[tuple[list[int], int], TreeRows, torch.Tensor]:
+        """((token ids, position), their rows' layout, [rows, hidden] what they read) of a forward feeding CHOSEN."""
+        position = self.context + self.nodes[chosen[0]].depth - 1
+        sees = []
+        for node in chosen:
+            self.nodes[node].slot = self.context + self._slots_used
+            self._slots_used += 1
+            sees.append(self._ancestor_slots(node))
+        self._expanded = chosen
+        features = torch.cat([self._parent_output(node) for node in chosen])
+        rows = TreeRows([position] * len(chosen), [self.nodes[node].slot for node in chosen], self.context, sees)
+        return ([self.nodes[node].token for node in chosen], position), rows, features
+
+    def draft(self, size: int) -> tuple[list[int], list[int], list[float]]:
+        """(tokens, parents, the head's probability of each given its parent) of the SIZE likeliest nodes."""
+        ranked = sorted(range(len(self.nodes)), key=lambda n: (-self.nodes[n].path, self.nodes[n].depth, n))
+        kept = set(ranked[:size])
+        for node in list(kept):  # a tie can rank a child before its parent
+            while self.nodes[node].parent != ROOT and self.nodes[node].parent not in kept:
+                node = self.nodes[node].parent
+                kept.add(node)
+        order = sorted(kept, key=lambda n: (self.nodes[n].depth, n))
+        index = {node: i for i, node in enumerate(order)}
+        parents = [index[self.nodes[n].parent] if self.nodes[n].parent != ROOT else ROOT for n in order]
+        return [self.nodes[n].token for n in order], parents, [self.nodes[n].probability for n in order]
+
+    def _ancestor_slots(self, node: int) -> list[int]:
+        slots = []
+        while node != ROOT:
+            slots.append(self.nodes[node].slot)
+            node = self.nodes[node].parent
+        return slots
+
+    def _parent_output(self, node: int) -> torch.Tensor:
+        parent = self.nodes[node].parent
+        return self._root_output if parent == ROOT else self.nodes[parent].output
+
+
 class HeadDrafter(ModelDrafter):
     """A draft model's drafter whose model is a head: the target's states in, the head's own states carried from one
     drafted position to the next."""
@@ -95,6 +196,7 @@ class HeadDrafter(ModelDrafter):
         self.captures: CaptureSpec = forward.captures
         self._kv: dict[str, HeadKV] = {}
         self._siblings: dict[str, list[list[int]]] = {}  # per request drafting this round, per drafted token
+        self._trees: dict[str, tuple[list[int], list[int], list[float]]] = {}  # a greedy request's tree this round
         # per request drafting this round, per drafted token: the estimate of its acceptance given its parent's (a
         # greedy request's head probability of it, then of its siblings; with a companion, SV's estimate of it alone)
         self._confidence: dict[str, list[list[float]]] = {}
@@ -136,33 +238,78 @@ class HeadDrafter(ModelDrafter):
         self, drafting: list[DraftableRequest], budgets: dict[str, int],
     ) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
         """The first forward reads each request's unread real tokens with the target's states (fused in one call for
-        the whole round); each next one a drafted token with the head's output before it. A companion head runs the
-        same chains beside it, reading the same target states and its own outputs, and scores each drafted token."""
+        the whole round); each next one a drafted token per chain with the head's output before it, or a greedy
+        request's tree nodes at the next depth (`HeadTree`). A companion head runs the same chains beside it, reading
+        the same target states and its own outputs, and scores each drafted token."""
         drafted: dict[str, list[int]] = {req.request_id: [] for req in drafting}
         probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req in drafting}
-        self._siblings, self._confidence = {}, {}
+        self._siblings, self._confidence, self._trees = {}, {}, {}
         for req in drafting:
             self._states[req.request_id].scores = []
         chains, states = zip(*map(self._catch_up, drafting)) if drafting else ((), ())
+        trees = {req.request_id: self._new_tree(req, budgets[req.request_id])
+                 for req in drafting if self._grows_tree(req)}
+        rows = [None] * len(chains)
         features = self._fused(self.forward, states)
         scoring = self.companion.forward if self.companion and chains else None
         companion_features = self._fused(scoring, states) if scoring else ()
         while chains:
-            logits, outputs = self.forward.run(list(chains), list(features))
-            tokens = [self._take(req, row[0], drafted, probs) for req, row in zip(drafting, logits)]
+            logits, outputs = self.forward.run(list(chains), list(features), rows)
+            tokens = [trees[req.request_id].grow(row, output) if req.request_id in trees
+                      else self._take(req, row[0], drafted, probs)
+                      for req, row, output in zip(drafting, logits, outputs)]
             if scoring:
                 scores, companion_outputs = scoring.run(list(chains), list(companion_features))
                 for req, token, row in zip(drafting, tokens, scores):
                     self._score(req, probs[req.request_id][-1], row[0], token)
-            budgeted = [i for i, req in enumerate(drafting) if len(drafted[req.request_id]) < budgets[req.request_id]]
-            going = self.forward.continuing([self._path_probability(drafting[i]) for i in budgeted])
-            chosen = [i for i, goes in zip(budgeted, going) if goes]
-            chains = [(drafting[i].request_id, [tokens[i]], len(drafting[i].all_token_ids) + len(
-                drafted[drafting[i].request_id]) - 1) for i in chosen]
-            features = [outputs[i][None] for i in chosen]
-            companion_features = [companion_outputs[i][None] for i in chosen] if scoring else ()
+            candidates = [(i, node) for i, req in enumerate(drafting) for node in self._candidates(req, trees, drafted,
+                                                                                                  budgets)]
+            going = self.forward.continuing([self._candidate_probability(drafting[i], node, trees)
+                                             for i, node in candidates])
+            chosen: dict[int, list[int]] = {}
+            for (i, node), goes in zip(candidates, going):
+                if goes:
+                    chosen.setdefault(i, []).append(node)
+            chains, features, rows, companion_features = [], [], [], []
+            for i, nodes in chosen.items():
+                req = drafting[i]
+                if req.request_id in trees:
+                    chain, tree_rows, feature = trees[req.request_id].expand(nodes)
+                    chains.append((req.request_id, *chain))
+                    rows.append(tree_rows)
+                    features.append(feature)
+                    continue
+                chains.append((req.request_id, [tokens[i]], len(req.all_token_ids) + len(drafted[req.request_id]) - 1))
+                rows.append(None)
+                features.append(outputs[i])
+                if scoring:
+                    companion_features.append(companion_outputs[i])
             drafting = [drafting[i] for i in chosen]
+        for request_id, tree in trees.items():
+            self._trees[request_id] = tree.draft((1 + SIBLINGS) * budgets[request_id])
+            drafted[request_id] = self._trees[request_id][0]
         return drafted, probs
+
+    def _grows_tree(self, req: DraftableRequest) -> bool:
+        """A greedy request drafts a tree where the head's forward lays tree spans out and no companion scores it."""
+        return req.sampling.greedy and not self.companion and self.forward.drafts_trees
+
+    def _new_tree(self, req: DraftableRequest, budget: int) -> HeadTree:
+        context = len(req.all_token_ids)
+        room = self.forward.make_room(req.request_id, context + TREE_WIDTH * max(budget - 1, 0))
+        return HeadTree(context, budget, room, self.forward.target_ids)
+
+    def _candidates(
+        self, req: DraftableRequest, trees: dict[str, HeadTree], drafted: dict[str, list[int]], budgets: dict[str, int],
+    ) -> list[int]:
+        """What of the request could draft one more forward: a tree's nodes to expand, or a chain's last token (0)."""
+        if req.request_id in trees:
+            return trees[req.request_id].candidates()
+        return [0] if len(drafted[req.request_id]) < budgets[req.request_id] else []
+
+    def _candidate_probability(self, req: DraftableRequest, node: int, trees: dict[str, HeadTree]) -> float:
+        tree = trees.get(req.request_id)
+        return tree.nodes[node].path if tree is not None else self._path_probability(req)
 
     @staticmethod
     def _fused(forward, states: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
@@ -210,6 +357,9 @@ class HeadDrafter(ModelDrafter):
     def _as_draft(self, req: DraftableRequest, token_ids: list[int], acceptance: list[float] | None) -> Draft:
         """The chain TOKEN_IDS with each token's siblings beside it (parents first) and the head's probability of each
         node, where the request kept them (a greedy request)."""
+        if req.request_id in self._trees:
+            tree, parents, confidence = self._trees[req.request_id]
+            return Draft(tree, self.name, parents, acceptance=confidence)
         siblings = self._siblings.get(req.request_id)
         if not siblings or acceptance is not None:
             return super()._as_draft(req, token_ids, acceptance)

@@ -7,6 +7,7 @@ a node's sibling rank is the number of its siblings listed before it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 ROOT = -1
@@ -114,3 +115,14 @@ def scored_walk(token_ids: Sequence[int], parents: Sequence[int],
             break
         node = matched
     return scored
+
+
+@dataclass
+class TreeRows:
+    """Where a span of tree nodes lies: each row's rotary position, the table position its KV is written at, and the
+    table positions it sees besides the CONTEXT real tokens before them (its ancestors' and its own)."""
+
+    positions: list[int]
+    write_at: list[int]
+    context: int
+    sees: list[list[int]]

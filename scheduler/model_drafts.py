@@ -28,8 +28,9 @@ A model that estimates its own tokens' acceptance as it drafts them (an EAGLE he
 planned by those estimates for greedy batches, since the verification planner then verifies only the drafted tokens
 whose estimates pay for their rows: the batch drafts when its drafts are expected to gain more than the forwards
 that draft them (each node max(0, f P - r) tokens, P its path's estimate, f the planner's calibration, r a verified
-row's cost in tokens, over the model's last drafts), and each greedy request may then draft up to k, its chain going on
-while the likeliest chains together are expected to gain what the next forward costs (`continuing`). Measured chain
+row's cost in tokens, over the model's last drafts), and each greedy request may then draft up to k levels, its chain
+or tree's ends going on while the likeliest together are expected to gain what the next forward costs (`continuing`;
+a head's tree offers several ends of a request, drafters/head_draft.py). Measured chain
 rates undervalue such a model: on MT-Bench at B = 1 the shipped head's first tokens are accepted 34 % of the time,
 which pays for neither its forward and row, while the ones it gives 0.5 or more are accepted 51-93 %. Drafted
 positions need KV slots (the draft model writes its KV there): the request's blocks grow to cover them as far as free
@@ -246,11 +247,12 @@ class ModelDraftBudget:
         return step_seconds / (rest_expected + len(reqs)), second / max(first, 1e-9)
 
     def continuing(self, path_probabilities: Sequence[float]) -> list[bool]:
-        """Which of the greedy chains a model that knows its acceptance drafts this round go on to one more token, by
-        the probabilities of their paths so far: the likeliest, as many as together are expected to gain what the
-        forward drafting their next tokens costs (each next token is accepted with its path's probability times the
-        learnt rate after the first). Verifying the tokens is the verification planner's choice, so no row is priced
-        here. Every chain goes on where the planner did not choose this round's depth."""
+        """Which of the greedy chains (or a tree's ends, several of one request) a model that knows its acceptance
+        drafts this round go on to one more token, by the probabilities of their paths so far: the likeliest, as many
+        as together are expected to gain what the forward drafting their next tokens costs (each next token is
+        accepted with its path's probability times the learnt rate after the first). Verifying the tokens is the
+        verification planner's choice, so no row is priced here. Every chain goes on where the planner did not choose
+        this round's depth."""
         if self._round_prices is None:
             return [True] * len(path_probabilities)
         token_seconds, next_rate = self._round_prices

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from drafters.base import CaptureSpec
+from drafters.tree import TreeRows
 from engine.config import ModelConfig
 from engine.model.eagle3 import Eagle3Head, aux_layers, is_eagle3_head, load_eagle3_head
 from engine.model.forward import ForwardBatch, chain_item
@@ -245,30 +246,50 @@ class HeadForward(DraftForward):
 
     def run(
         self, chains: list[tuple[str, list[int], int]], features: list[torch.Tensor],
+        trees: list[TreeRows | None] | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Chains as `__call__` takes them, FEATURES [len(tokens), hidden] what each chain's tokens read -> per chain
-        [1, draft vocab] logits at its last token, and [hidden] the head's output there: through the head's lean
-        layer where it runs (engine/model/head_layout.py), else through the packed runner."""
+        [1, draft vocab] logits at its last token, and [1, hidden] the head's output there: through the head's lean
+        layer where it runs (engine/model/head_layout.py), else through the packed runner. TREES (the lean layer
+        only): per chain, None or where its rows lie as tree nodes (`TreeRows`), whose every row's logits and output
+        come back."""
         self._count(chains)
         if self.layout is not None:
-            return self._run_lean(chains, features)
+            return self._run_lean(chains, features, trees or [None] * len(chains))
+        assert not trees or not any(trees), "tree spans need the head's lean layer"
         items = []
         for request_id, token_ids, start in chains:
             item = chain_item(token_ids, start, self.blocks.block_tables[request_id], self.blocks.block_size)
             item.hidden_rows = [len(token_ids) - 1]
             items.append(item)
         out = self.runner.execute(ForwardBatch(items, CaptureSpec(hidden_layers=(1,)), torch.cat(features)))
-        return list(out.logits), [hidden[-1] for hidden in out.hidden]
+        return list(out.logits), [hidden[-1:] for hidden in out.hidden]
+
+    @property
+    def drafts_trees(self) -> bool:
+        """Whether `run` lays out tree spans (the lean layer on the CPU)."""
+        return self.layout is not None
+
+    def make_room(self, request_id: str, num_positions: int) -> int:
+        """Grow the request's blocks towards NUM_POSITIONS positions (a tree's nodes are written past its drafted
+        chain's), as far as free blocks allow; returns the positions covered. The next step's update gives back what
+        the target does not accept."""
+        covered = len(self.blocks.block_tables.get(request_id, ())) * self.blocks.block_size
+        target = min(num_positions, self.blocks.positions_available(request_id))
+        if target > covered:
+            self.blocks.grow(request_id, target)
+            return target
+        return covered
 
     def _run_lean(
-        self, chains: list[tuple[str, list[int], int]], features: list[torch.Tensor],
+        self, chains: list[tuple[str, list[int], int]], features: list[torch.Tensor], trees: list[TreeRows | None],
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         tables = self.blocks.block_tables
-        token_ids, positions, write_slots, last_rows, spans = self.layout.lay_out(
-            [(token_ids, start, tables[request_id]) for request_id, token_ids, start in chains])
+        token_ids, positions, write_slots, kept_rows, counts, spans = self.layout.lay_out(
+            [(tokens, start, tables[request_id], tree) for (request_id, tokens, start), tree in zip(chains, trees)])
         logits, outputs = self.model.forward_rows(token_ids, positions, torch.cat(features), write_slots, spans,
-                                                  self.runner.pool, last_rows)
-        return list(logits[:, None]), list(outputs)
+                                                  self.runner.pool, kept_rows)
+        return list(logits.split(counts)), list(outputs.split(counts))
 
     def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., draft vocab] -> [..., vocab] float32, -inf at the target tokens the head never drafts."""

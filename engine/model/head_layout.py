@@ -7,11 +7,16 @@ next one a drafted token per request. At one row the runner's generic layout (it
 captures, the output's split) cost as much as the head's layer itself. The key slots of a request's padded context
 are the same from one forward of a round to the next (the context grows by one inside the same padded length), so
 they are kept, bounded.
+
+A greedy request's tree (drafters/head_draft.py) lays out as one span of its nodes at a depth: each row at its depth's
+position, written at a slot of its own past the request's real tokens (`TreeRows`), and seeing the real tokens, its
+ancestors' slots and its own.
 """
 from __future__ import annotations
 
 import torch
 
+from drafters.tree import TreeRows
 from engine.model.attention_layout import key_slots, padded_key_len
 from engine.model.forward import slots_of
 
@@ -26,26 +31,45 @@ class HeadLayout:
         self._slots: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}  # (blocks read, keys) -> key slots
         self._indices = torch.arange(0)
 
-    def lay_out(self, chains: list[tuple[list[int], int, list[int]]]) -> tuple[torch.Tensor, ...]:
-        """CHAINS: (token ids, position of the first, block table) per request -> token ids, positions and pool
-        slots written [rows], each chain's last row [chains] (None where every chain is one row), and the spans
-        (query starts, query lengths, key slots, masks): a chain's token at position p attends to positions 0..p of
-        its table."""
-        token_ids, positions, writes, starts, lengths, slots, masks = [], [], [], [], [], [], []
-        for chain, start, table in chains:
-            end = start + len(chain)
+    def lay_out(self, chains: list[tuple]) -> tuple[torch.Tensor, ...]:
+        """CHAINS: (token ids, position of the first, block table[, TreeRows]) per request -> token ids, positions and
+        pool slots written [rows], the rows whose logits are kept [kept] (None where that is every row), the kept
+        rows per chain (its last; a tree span's every row), and the spans (query starts, query lengths, key slots,
+        masks): a chain's token at position p attends to positions 0..p of its table."""
+        token_ids, positions, writes, starts, lengths, slots, masks, kept, counts = [], [], [], [], [], [], [], [], []
+        for chain, start, table, *tree in chains:
             starts.append(len(token_ids))
             lengths.append(len(chain))
             token_ids += chain
-            positions += range(start, end)
-            writes += slots_of(table, self.block_size, start, end)
-            num_keys = padded_key_len(end)
+            if tree and tree[0] is not None:
+                rows = tree[0]
+                end = max(rows.write_at) + 1
+                positions += rows.positions
+                writes += [slots_of(table, self.block_size, at, at + 1)[0] for at in rows.write_at]
+                num_keys = padded_key_len(end)
+                masks.append(self._tree_mask(rows, num_keys))
+                kept += range(starts[-1], starts[-1] + len(chain))
+                counts.append(len(chain))
+            else:
+                end = start + len(chain)
+                positions += range(start, end)
+                writes += slots_of(table, self.block_size, start, end)
+                num_keys = padded_key_len(end)
+                masks.append(self._mask(start, end, num_keys))
+                kept.append(starts[-1] + len(chain) - 1)
+                counts.append(1)
             slots.append(self._key_slots(table, end, num_keys))
-            masks.append(self._mask(start, end, num_keys))
         tokens, positions, writes = torch.tensor([token_ids, positions, writes])
-        ends = [start + length - 1 for start, length in zip(starts, lengths)]
-        last_rows = None if len(token_ids) == len(chains) else torch.tensor(ends)
-        return tokens, positions, writes, last_rows, (starts, lengths, slots, masks)
+        kept_rows = None if len(kept) == len(token_ids) else torch.tensor(kept)
+        return tokens, positions, writes, kept_rows, counts, (starts, lengths, slots, masks)
+
+    def _tree_mask(self, rows: TreeRows, num_keys: int) -> torch.Tensor:
+        """[1, 1, rows, num_keys]: each row sees the real tokens and the table positions it names."""
+        mask = self._key_indices(num_keys)[None].expand(len(rows.sees), -1) < rows.context
+        mask = mask.clone()
+        for row, seen in enumerate(rows.sees):
+            mask[row, seen] = True
+        return mask.view(1, 1, len(rows.sees), num_keys)
 
     def _key_slots(self, table: list[int], context: int, num_keys: int) -> torch.Tensor:
         key = (tuple(table[:-(-num_keys // self.block_size)]), num_keys)

@@ -14,10 +14,10 @@ from tests.engine.test_engine import prompts
 SMALL_POOL = 0.05  # GiB: the pool is zeroed at start-up, and an engine lives until the garbage collector finds it
 
 
-def draft_engine(model_dir, draft_model, drafter="draft", planner=False, **cache):
+def draft_engine(model_dir, draft_model, drafter="draft", planner=False, weights="auto", **cache):
     cache.setdefault("kv_cache_memory_gib", SMALL_POOL)
     return Engine(EngineConfig(
-        model=ModelConfig(model=model_dir, device="cpu", draft_model=draft_model),
+        model=ModelConfig(model=model_dir, device="cpu", draft_model=draft_model, weights=weights),
         cache=CacheConfig(**cache),
         scheduler=SchedulerConfig(max_num_seqs=8, use_goodput_planner=planner),
         spec=SpecConfig(drafter=drafter, copy_gamma=2, num_draft_tokens=4),

@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 
 from drafters.base import Draft
 from drafters.config import SpecConfig
-from drafters.head_draft import SIBLINGS
-from drafters.tree import chain_parents, sibling_ranks
+from drafters.head_draft import CHILDREN, SIBLINGS
+from drafters.tree import TreeRows, chain_parents, depths
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model.cpu_kernels import fused_ops_available
@@ -41,13 +41,35 @@ def plain(tiny_model_dir):
     ))
 
 
-@pytest.mark.parametrize("drafter,planner", [("draft", False), ("draft", True), ("copyspec+draft", False)])
-def test_greedy_output_with_a_head_equals_plain_decoding(plain, tiny_model_dir, tiny_head_dir, drafter, planner):
-    engine = draft_engine(tiny_model_dir, tiny_head_dir, drafter, planner)
+@pytest.fixture(scope="module")
+def plain_gguf(tiny_model_dir):
+    """The tiny target in the CPU's GGUF blocks, where a head runs its lean layer and greedy requests draft trees."""
+    return Engine(EngineConfig(
+        model=ModelConfig(model=tiny_model_dir, device="cpu", weights="gguf"), spec=SpecConfig(drafter="none"),
+        cache=CacheConfig(SMALL_POOL), sessions=SessionConfig(mode="off"),
+    ))
+
+
+needs_fused_ops = pytest.mark.skipif(not fused_ops_available(),
+                                     reason="the fused operators need a C++ compiler on x86-64")
+
+
+@pytest.mark.parametrize("drafter,planner,weights", [
+    ("draft", False, "auto"), ("draft", True, "auto"), ("copyspec+draft", False, "auto"),
+    *(pytest.param(drafter, planner, "gguf", marks=needs_fused_ops)
+      for drafter, planner in (("draft", False), ("draft", True), ("copyspec+draft", False))),
+])
+def test_greedy_output_with_a_head_equals_plain_decoding(
+    plain, plain_gguf, tiny_model_dir, tiny_head_dir, drafter, planner, weights,
+):
+    """As chains with siblings (float32 weights: the packed runner) and as trees (GGUF blocks: the lean layer)."""
+    engine = draft_engine(tiny_model_dir, tiny_head_dir, drafter, planner, weights)
+    assert engine.draft_forward.drafts_trees == (weights == "gguf")
     assert engine.speculation.captures.hidden_layers == (1, 1, 2)  # the target keeps the states the head reads
     if planner:  # the head priced as nearly free: whether the planner drafts must not hang on this host's timings
         engine.scheduler.model_drafts.draft_seconds = lambda num_tokens: 1e-6
-    outputs = assert_greedy_outputs_equal(plain, engine, prompts(6, seed=5), max_tokens=40)
+    outputs = assert_greedy_outputs_equal(plain_gguf if weights == "gguf" else plain, engine, prompts(6, seed=5),
+                                          max_tokens=40)
     assert sum(o.spec.num_draft_tokens for o in outputs.values()) > 0, "the head must have drafted"
 
 
@@ -73,46 +95,57 @@ def test_a_head_drafts_only_tokens_of_its_draft_vocabulary(tiny_model_dir, tiny_
     assert drafted and all(token % 2 == 0 for token in drafted)  # the tiny head's draft ids map to even token ids
 
 
+def path_probabilities(draft: Draft) -> list[float]:
+    paths: list[float] = []
+    for parent, estimate in zip(draft.parents, draft.acceptance):
+        paths.append(estimate * (paths[parent] if parent >= 0 else 1.0))
+    return paths
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_greedy_requests_head_draft_is_its_chain_with_the_next_likeliest_tokens_beside_each(
-    tiny_model_dir, tiny_head_dir, temperature,
-):
-    engine = draft_engine(tiny_model_dir, tiny_head_dir)
+@needs_fused_ops
+def test_a_greedy_requests_head_draft_is_a_tree_of_its_likeliest_paths(tiny_model_dir, tiny_head_dir, temperature):
+    engine = draft_engine(tiny_model_dir, tiny_head_dir, weights="gguf")
     drafts = recorded_drafts(engine)
     run_to_completion(engine, prompts(3, seed=9), [SamplingParams(temperature=temperature, max_tokens=20,
                                                                    ignore_eos=True, seed=1)] * 3)
     assert drafts
+    branched = 0
     for draft in drafts:
         if temperature:  # a sampled request's tokens are draws from q: verified as a chain
             assert draft.parents == chain_parents(len(draft))
             continue
-        chain = [node for node, rank in enumerate(sibling_ranks(draft.parents)) if rank == 0]
-        assert len(draft) == (1 + SIBLINGS) * len(chain)
-        assert [draft.parents[node] for node in chain] == [-1, *chain[:-1]]  # the chain runs through the first children
-        for node in chain:
-            beside = [n for n, parent in enumerate(draft.parents) if parent == draft.parents[node]]
-            assert len({draft.token_ids[n] for n in beside}) == 1 + SIBLINGS  # distinct, all of the draft vocabulary
-            assert all(draft.token_ids[n] % 2 == 0 for n in beside)
-            # each node's acceptance estimate is the head's probability of it: the chain's token the likeliest
-            estimates = [draft.acceptance[n] for n in beside]
-            assert estimates == sorted(estimates, reverse=True) and 0 < sum(estimates) <= 1 + 1e-6
+        level = depths(draft.parents)
+        assert max(level) <= 4 and len(draft) <= (1 + SIBLINGS) * 4  # as many nodes as a chain with its siblings
+        assert all(token % 2 == 0 for token in draft.token_ids)  # all of the draft vocabulary
+        for parent in {-1, *draft.parents}:
+            children = [n for n, p in enumerate(draft.parents) if p == parent]
+            assert len(children) <= CHILDREN and len({draft.token_ids[n] for n in children}) == len(children)
+            # each node's acceptance estimate is the head's probability of it given its parent, likeliest first
+            estimates = [draft.acceptance[n] for n in children]
+            assert estimates == sorted(estimates, reverse=True) and sum(estimates) <= 1 + 1e-6
+        assert all(0 < estimate <= 1 for estimate in draft.acceptance)
+        # a node off a first child's sibling: the tree grows where its paths are likeliest, not along one chain
+        ranks = [sum(1 for m in range(n) if draft.parents[m] == draft.parents[n]) for n in range(len(draft))]
+        branched += any(ranks[p] > 0 for p in draft.parents if p >= 0)
+    assert temperature or branched
 
 
-def test_a_greedy_heads_chains_go_on_only_where_the_scheduler_says(tiny_model_dir, tiny_head_dir):
-    engine = draft_engine(tiny_model_dir, tiny_head_dir)
+@needs_fused_ops
+def test_a_greedy_heads_tree_grows_only_where_the_scheduler_says(tiny_model_dir, tiny_head_dir):
+    engine = draft_engine(tiny_model_dir, tiny_head_dir, weights="gguf")
     asked = []
     engine.draft_forward.continuing = lambda probabilities: asked.append(list(probabilities)) or [
-        probability > 0.5 for probability in probabilities]
+        probability > 0.3 for probability in probabilities]
     drafts = recorded_drafts(engine)
     run_to_completion(engine, prompts(3, seed=9), [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * 3)
     assert asked and all(0 < p <= 1 for probabilities in asked for p in probabilities)
     stopped = 0
     for draft in drafts:
-        chain = [draft.acceptance[n] for n, rank in enumerate(sibling_ranks(draft.parents)) if rank == 0]
-        paths = [float(torch.tensor(chain[:i + 1]).prod()) for i in range(len(chain))]
-        assert all(path > 0.5 for path in paths[:-1])  # every level but the last went on: its path was likely
-        stopped += len(chain) < 4 and paths[-1] <= 0.5
-    assert stopped  # some chains stopped short of the 4 tokens they were allowed (the tiny head is unsure)
+        paths = path_probabilities(draft)
+        assert all(paths[parent] > 0.3 for parent in draft.parents if parent >= 0)  # only likely paths went on
+        stopped += max(depths(draft.parents)) < 4
+    assert stopped  # some trees stopped short of the 4 levels they were allowed (the tiny head is unsure)
 
 
 def test_the_head_reads_the_targets_states_as_a_first_forward_over_the_unread_tokens(tiny_model_dir, tiny_head_dir):
@@ -123,10 +156,10 @@ def test_the_head_reads_the_targets_states_as_a_first_forward_over_the_unread_to
     runs = []
     run = forward.run
 
-    def record(chains, features):
+    def record(chains, features, trees=None):
         runs.append([(start, len(tokens), f.abs().sum(-1).gt(0).tolist()) for (_, tokens, start), f in
                      zip(chains, features)])
-        return run(chains, features)
+        return run(chains, features, trees)
 
     forward.run = record
     prompt = prompts(1, seed=2)[0]
@@ -152,10 +185,10 @@ def test_a_prompt_prefix_the_cache_serves_is_not_computed_again_for_the_head(pla
     forward, first_reads = engine.speculation.drafter.forward, []
     run = forward.run
 
-    def record(chains, features):
+    def record(chains, features, trees=None):
         first_reads.extend(f.abs().sum(-1).gt(0).tolist() for (_, tokens, start), f in zip(chains, features)
                            if start == 0 and len(tokens) > 1)  # a request's first catch-up, from position 0
-        return run(chains, features)
+        return run(chains, features, trees)
 
     forward.run = record
     batch = [opening + tail[1:] for tail in prompts(3, seed=12)]
@@ -224,8 +257,8 @@ def test_a_companion_head_scores_each_token_the_head_drafts_and_greedy_output_st
     drafts = recorded_drafts(engine)
     runs = {"draft": [], "companion": []}  # the chains of each forward, by model
     for name, forward in (("draft", engine.draft_forward), ("companion", engine.companion_forward)):
-        forward.run = lambda chains, features, run=forward.run, name=name: runs[name].append(chains) or run(
-            chains, features)
+        forward.run = lambda chains, features, trees=None, run=forward.run, name=name: runs[name].append(
+            chains) or run(chains, features, trees)
     outputs = assert_greedy_outputs_equal(plain, engine, prompts(4, seed=5), max_tokens=30)
     assert sum(o.spec.num_draft_tokens for o in outputs.values()) > 0, "the head must have drafted"
     assert drafts and all(draft.parents == chain_parents(len(draft)) for draft in drafts)
@@ -307,7 +340,7 @@ def test_the_embedded_model_ships_a_head_that_draft_drafters_use_by_default():
     assert sum(f.stat().st_size for f in SHIPPED_HEADS.joinpath(DEFAULT_MODEL_NAME).iterdir()) <= 16 * 2**20
 
 
-@pytest.mark.skipif(not fused_ops_available(), reason="the fused operators need a C++ compiler on x86-64")
+@needs_fused_ops
 def test_the_lean_layer_computes_what_the_heads_modules_compute(tiny_model_dir, tiny_head_dir):
     """A head in 8-bit blocks (the CPU's gguf weights) runs its layer as one C++ call, laid out by the head's own
     layout (engine/model/head_layout.py) or by the packed runner: the same logits and outputs as its modules give,
@@ -332,7 +365,7 @@ def test_the_lean_layer_computes_what_the_heads_modules_compute(tiny_model_dir, 
         logits, outputs = forward.run(chains, reads)
         drafted = [(request_id, [int(row[0].argmax())], len(tokens))
                    for (request_id, tokens, _), row in zip(chains, logits)]
-        next_logits, next_outputs = forward.run(drafted, [output[None] for output in outputs])
+        next_logits, next_outputs = forward.run(drafted, outputs)
         results[path] = [*logits, *outputs, *next_logits, *next_outputs]
     for path in ("layout", "runner"):
         for got, expected in zip(results[path], results["modules"], strict=True):
@@ -344,9 +377,10 @@ def test_the_lean_layer_computes_what_the_heads_modules_compute(tiny_model_dir, 
 def test_a_heads_layout_masks_each_row_to_its_own_position_and_keeps_key_slots_bounded():
     layout = HeadLayout(block_size=4)
     table = [7, 2, 9]
-    tokens, positions, writes, last_rows, spans = layout.lay_out([([11, 12, 13], 5, table), ([14], 2, [3])])
+    tokens, positions, writes, last_rows, counts, spans = layout.lay_out([([11, 12, 13], 5, table), ([14], 2, [3])])
     assert tokens.tolist() == [11, 12, 13, 14] and positions.tolist() == [5, 6, 7, 2]
     assert writes.tolist() == [2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 3 * 4 + 2] and last_rows.tolist() == [2, 3]
+    assert counts == [1, 1]
     starts, lengths, key_slots, masks = spans
     assert starts == [0, 3] and lengths == [3, 1]
     assert key_slots[0][:8].tolist() == [28, 29, 30, 31, 8, 9, 10, 11]
@@ -367,3 +401,45 @@ def test_the_heads_rotary_table_gives_the_embeddings_own_numbers_past_its_first_
         cos, sin = head._rotation(embeds, position_ids)
         expected = [t[0, :, None, :] for t in head.model.rotary_emb(embeds, position_ids)]
         assert torch.equal(cos, expected[0]) and torch.equal(sin, expected[1])
+
+
+def test_a_tree_span_lays_out_each_node_at_its_depth_seeing_its_ancestors():
+    layout = HeadLayout(block_size=4)
+    rows = TreeRows(positions=[6, 6], write_at=[8, 9], context=6, sees=[[8, 7], [9]])
+    tokens, positions, writes, kept, counts, spans = layout.lay_out([([21, 22], 6, [7, 2, 9], rows), ([14], 2, [3])])
+    assert positions.tolist() == [6, 6, 2] and writes.tolist() == [9 * 4, 9 * 4 + 1, 3 * 4 + 2]
+    assert kept is None and counts == [2, 1]  # every node's row comes back
+    masks = spans[3]
+    assert masks[0][0, 0, 0].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 7, 8]
+    assert masks[0][0, 0, 1].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 9]
+
+
+@needs_fused_ops
+def test_a_tree_nodes_row_computes_what_its_path_as_a_chain_computes(tiny_model_dir, tiny_head_dir):
+    """Two nodes at depth 1 in one span, then a child of the second at depth 2, written past the real tokens at
+    slots of their own: each row's logits are those of the same tokens drafted as a chain."""
+    engine = draft_engine(tiny_model_dir, tiny_head_dir, weights="gguf")
+    forward = engine.speculation.drafter.forward
+    assert forward.drafts_trees
+    generator = torch.Generator().manual_seed(0)
+    prompt = prompts(1, seed=3)[0][:9]
+    context = len(prompt)
+    reads = torch.randn(context, forward.model.config.hidden_size, generator=generator)
+    forward.blocks.grow("tree", context + 4)
+    (root_logits,), (root_output,) = forward.run([("tree", prompt, 0)], [reads])
+    first, second = (int(t) for t in forward.target_ids[root_logits[0].topk(2).indices])
+    level1 = TreeRows([context] * 2, [context, context + 1], context, [[context], [context + 1]])
+    logits1, outputs1 = forward.run([("tree", [first, second], context)], [root_output.expand(2, -1)], [level1])
+    child = int(forward.target_ids[logits1[0][1].argmax()])
+    level2 = TreeRows([context + 1], [context + 2], context, [[context + 2, context + 1]])
+    logits2, _ = forward.run([("tree", [child], context + 1)], [outputs1[0][1:2]], [level2])
+    cases = ((0, [first], logits1[0][0], [root_output]), (1, [second], logits1[0][1], [root_output]),
+             (2, [second, child], logits2[0][0], [root_output, outputs1[0][1:2]]))
+    for index, path, tree_logits, feature_rows in cases:
+        chain_id = f"chain-{index}"
+        forward.blocks.grow(chain_id, context + len(path))
+        forward.run([(chain_id, prompt, 0)], [reads])
+        chain_logits, _ = forward.run([(chain_id, path, context)], [torch.cat(feature_rows)])
+        assert torch.allclose(chain_logits[0][-1], tree_logits, atol=1e-4, rtol=1e-4), path
+        forward.blocks.free(chain_id)
+    forward.blocks.free("tree")

@@ -49,7 +49,7 @@ def test_training_time_test_computes_what_the_head_computes_when_drafting(tiny_m
         forward.blocks.grow(table_id, p + 2)
         logits, outputs = forward.run([(table_id, tokens[:p + 1], 0)], [reads[:p + 1]])
         assert torch.allclose(logits[0][0], trained[0][p], atol=1e-4)
-        logits, _ = forward.run([(table_id, [tokens[p + 1]], p + 1)], [outputs[0][None]])
+        logits, _ = forward.run([(table_id, [tokens[p + 1]], p + 1)], [outputs[0]])
         assert torch.allclose(logits[0][0], trained[1][p], atol=1e-4)
         forward.blocks.free(table_id)
 
