@@ -13,7 +13,7 @@ from drafters.head_draft import CHILDREN, SIBLINGS
 from drafters.tree import TreeRows, chain_parents, depths
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
-from engine.model.cpu_kernels import fused_ops_available
+from engine.model.cpu_kernels import fused_ops_available, kernels
 from engine.model.eagle3 import (
     MIN_ROTATIONS,
     WEIGHTS_FILE,
@@ -30,6 +30,7 @@ from scheduler.config import SchedulerConfig, SessionConfig
 from tests.conftest import TINY_VOCAB
 from tests.engine.helpers import run_to_completion
 from tests.engine.model.test_draft_model import SMALL_POOL, assert_greedy_outputs_equal, draft_engine
+from tests.engine.model.test_fused_ops import ISAS, use_isa
 from tests.engine.test_engine import prompts
 
 
@@ -415,9 +416,20 @@ def test_a_tree_span_lays_out_each_node_at_its_depth_seeing_its_ancestors():
 
 
 @needs_fused_ops
-def test_a_tree_nodes_row_computes_what_its_path_as_a_chain_computes(tiny_model_dir, tiny_head_dir):
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_tree_nodes_row_computes_what_its_path_as_a_chain_computes(tiny_model_dir, tiny_head_dir, isa):
     """Two nodes at depth 1 in one span, then a child of the second at depth 2, written past the real tokens at
-    slots of their own: each row's logits are those of the same tokens drafted as a chain."""
+    slots of their own: each row's logits are those of the same tokens drafted as a chain, on each variant of the
+    fused operators this CPU runs (AVX2 the path of CPUs without AVX-512)."""
+    default = kernels().fused_ops_isa()
+    use_isa(isa)
+    try:
+        tree_rows_against_chains(tiny_model_dir, tiny_head_dir)
+    finally:
+        kernels().set_fused_ops_isa(default)
+
+
+def tree_rows_against_chains(tiny_model_dir, tiny_head_dir) -> None:
     engine = draft_engine(tiny_model_dir, tiny_head_dir, weights="gguf")
     forward = engine.speculation.drafter.forward
     assert forward.drafts_trees
