@@ -6,8 +6,9 @@ as a long first answer, and its second turn) are prefilled; then each measured s
 timed with torch's profiler and sorted into matmuls, attention, the other tensor operators, whole decoder layers run as
 one C++ call, and what is left of the forward's wall time: Python, transformers' module calls and PyTorch's dispatch.
 A verify step carries 15 drafted tokens per request (the planner off, every one verified); its drafts copy the
-request's own prompt. With `--draft-model`, a third kind of step: the draft model drafts MODEL_DRAFT_TOKENS tokens for
-every request (the planner off), and its drafting time per drafted token is set beside a decode step's time: the
+request's own prompt. With `--draft-model`, a third kind of step: the draft model drafts MODEL_DRAFT_TOKENS levels for
+every request (the planner off; a greedy head's tree holds more tokens than levels), and its drafting time per level
+and per drafted token is set beside a decode step's time: the
 decode steps of the same engine, timed between its drafting steps (drafting turned off for two steps: the first
 verifies the last draft, the second is a plain decode), so that the ratio holds on a host whose speed drifts between
 cases. Each figure is the median over the repeats.
@@ -140,11 +141,13 @@ def profile_case(config, prompts: list[list[int]], verify: bool, model_draft: bo
         decoding = [req for req in engine.scheduler.running if req.is_decoding]
         engine.scheduler.set_drafts(decoding, engine.speculation.propose(decoding))
     timed_step(engine, profile=False)  # one-off work stays out
-    plain, decode = [], []
+    plain, decode, nodes = [], [], []
     for _ in range(REPEATS):  # with a draft model: a decode step, then a step drafting after a 1-token forward
         if model_draft:
             decode.append(sum(decode_between_drafts(engine)[0].values()))
         plain.append(timed_step(engine, profile=False))
+        if model_draft:
+            nodes.append(drafted_per_request(engine))
     profiled = [timed_step(engine, profile=True) for _ in range(REPEATS)]
     phases = {p: round(statistics.median(s[0][p] for s in plain), 2) for p in PHASES}
     operators = {c: round(statistics.median(s[1][c] for s in profiled), 2) for c in profiled[0][1]}
@@ -154,7 +157,15 @@ def profile_case(config, prompts: list[list[int]], verify: bool, model_draft: bo
            "step_ms": round(sum(phases.values()), 2), "phases_ms": phases, "forward_ms": operators}
     if model_draft:
         row["decode_step_ms"] = round(statistics.median(decode), 2)
+        row["drafted_per_request"] = round(statistics.median(nodes), 2)
     return row
+
+
+def drafted_per_request(engine) -> float:
+    """The tokens the step just drafted per decoding request: MODEL_DRAFT_TOKENS levels, more where a greedy
+    request's draft is a tree (drafters/head_draft.py)."""
+    drafts = [len(req.draft) if req.draft else 0 for req in engine.scheduler.running if req.is_decoding]
+    return statistics.mean(drafts) if drafts else 0.0
 
 
 def row_ladder(config, prompt: list[int]) -> dict:
@@ -266,10 +277,14 @@ def markdown(results: dict) -> str:
                      + " | ".join(f"{v:.1f}" for v in values) + " |")
     for row in results["rows"]:
         if row["step"].startswith("draft"):
-            per_token, decode = row["phases_ms"]["draft"] / MODEL_DRAFT_TOKENS, row["decode_step_ms"]
-            lines += ["", f"Draft model at batch {row['batch']}: {per_token:.2f} ms per drafted token, "
-                          f"{per_token / decode:.1%} of a decode step ({decode:.1f} ms, the same engine's, timed "
-                          "between its drafting steps)."]
+            per_level, decode = row["phases_ms"]["draft"] / MODEL_DRAFT_TOKENS, row["decode_step_ms"]
+            nodes = row.get("drafted_per_request", MODEL_DRAFT_TOKENS)
+            per_token = row["phases_ms"]["draft"] / nodes if nodes else per_level
+            lines += ["", f"Draft model at batch {row['batch']}: {per_level:.2f} ms per drafted level (a forward), "
+                          f"{per_level / decode:.1%} of a decode step ({decode:.1f} ms, the same engine's, timed "
+                          f"between its drafting steps); {nodes:g} drafted tokens a request (a greedy head's tree "
+                          f"holds more than its {MODEL_DRAFT_TOKENS} levels): {per_token:.2f} ms, "
+                          f"{per_token / decode:.1%}, per drafted token."]
     return "\n".join(lines + ladder_markdown(results.get("row_ladder"))
                      + stream_markdown(results.get("single_stream"))) + "\n"
 

@@ -14,18 +14,18 @@ target's states. A state the head needs and does not have (a session resumed pas
 prefix served from the KV cache) reads zeros, which can cost acceptance, never exactness.
 
 A greedy request's draft is a tree (EAGLE-2's dynamic tree, `HeadTree`): each forward after the first expands the
-TREE_WIDTH likeliest paths' ends at the newest depth in one span of rows (each seeing the real tokens and its own
-ancestors), each expanded node's CHILDREN likeliest tokens become its children, and the draft is the whole tree's
-likeliest nodes, as many as a chain of the budget with its siblings has. On the first 5 MT-Bench questions with the
-planner off (5 levels, 15 nodes) the shipped head's mean acceptance length is 2.15 this way, 1.89 as a chain with
-two siblings a level. Where the head's forward lays out no tree spans (its packed-runner path), the tree is that chain
-with the next SIBLINGS tokens beside each of its tokens, which cost the head nothing more. Each node carries the
-head's own probability of its token given its parent as its acceptance estimate (EAGLE-2's observation, which holds
-for the shipped head: on MT-Bench, first drafted tokens the head gave 0.1-0.2 were accepted 14 % of the time, 0.5-0.6
-51 %, 0.9-1.0 93 %; the planner's calibration corrects the rest), so the planner verifies the tokens the head is sure
-of, and a tree grows only where its paths' probabilities are worth another head forward (the scheduler's
-`continuing`). A sampled request drafts a chain as deep as the planner says: its tokens are draws from q, and the
-verifier's min(1, p/q) rule is a chain's.
+likeliest paths' ends at the newest depth in one span of rows (TREE_WIDTH shared by the round's greedy requests, one
+each at least; each row seeing the real tokens and its own ancestors), each expanded node's CHILDREN likeliest tokens
+become its children, and the draft is the whole tree's likeliest nodes, as many as a chain of the budget with its
+siblings has. On the first 5 MT-Bench questions with the planner off (5 levels, 15 nodes) the shipped head's mean
+acceptance length is 2.15 this way, 1.89 as a chain with two siblings a level. Where the head's forward lays out no
+tree spans (its packed-runner path), the tree is that chain with the next SIBLINGS tokens beside each of its tokens,
+which cost the head nothing more. Each node carries the head's own probability of its token given its parent as its
+acceptance estimate (EAGLE-2's observation, which holds for the shipped head: on MT-Bench, first drafted tokens the
+head gave 0.1-0.2 were accepted 14 % of the time, 0.5-0.6 51 %, 0.9-1.0 93 %; the planner's calibration corrects the
+rest), so the planner verifies the tokens the head is sure of, and a tree grows only where its paths' probabilities
+are worth another head forward (the scheduler's `continuing`). A sampled request drafts a chain as deep as the planner
+says: its tokens are draws from q, and the verifier's min(1, p/q) rule is a chain's.
 """
 from __future__ import annotations
 
@@ -45,7 +45,9 @@ SIBLINGS = 2
 # a greedy request's tree (`HeadTree`): the nodes it expands at each depth, its likeliest paths' ends, and the children
 # each expanded node offers, its likeliest tokens (EAGLE-2 expands 8-10 of 10 on a GPU, for 60 nodes; for the 15 nodes
 # of a tree 5 deep, planner off, on MT-Bench: acceptance length 1.89 at width 1 with 3 children, 2.06 at 3 with 3, 2.11
-# at 3-4 with 4, 2.15 at 5 with 5, no more at 6-8)
+# at 3-4 with 4, 2.15 at 5 with 5, no more at 6-8). The ends a forward expands are shared by the round's greedy
+# requests, one each at least: a head row costs ~0.2 ms here, so at B = 16 five ends each made a fixed-k round of 5
+# levels take 68 ms beside a 60 ms decode step
 TREE_WIDTH = 5
 CHILDREN = 5
 
@@ -110,15 +112,15 @@ class TreeNode:
 
 
 class HeadTree:
-    """A greedy request's draft as the head grows it (EAGLE-2's dynamic tree): each forward expands the TREE_WIDTH
+    """A greedy request's draft as the head grows it (EAGLE-2's dynamic tree): each forward expands the WIDTH
     likeliest paths' ends of the newest depth, whose rows see the request's real tokens and their own ancestors, and
     each expanded row's CHILDREN likeliest tokens become its children; the draft is the likeliest nodes of the
     whole tree, as many as a chain with its siblings would have (parents first, as a path's probability never exceeds
     its parent's). Rows sit at their depth's position and write their KV at slots of their own past the real tokens,
     ROOM - CONTEXT of them."""
 
-    def __init__(self, context: int, depth: int, room: int, target_ids: torch.Tensor) -> None:
-        self.context, self.depth, self.room, self.target_ids = context, depth, room, target_ids
+    def __init__(self, context: int, depth: int, width: int, room: int, target_ids: torch.Tensor) -> None:
+        self.context, self.depth, self.width, self.room, self.target_ids = context, depth, width, room, target_ids
         self.nodes: list[TreeNode] = []
         self._expanded = [ROOT]  # the nodes the last forward's rows fed (the root: the request's last real token)
         self._newest: list[int] = []
@@ -142,11 +144,11 @@ class HeadTree:
         return self.nodes[self._newest[0]].token
 
     def candidates(self) -> list[int]:
-        """The newest nodes worth expanding, likeliest first: TREE_WIDTH at most, none at the last depth or past the
-        slots the request has."""
+        """The newest nodes worth expanding, likeliest first: WIDTH at most, none at the last depth or past the slots
+        the request has."""
         if not self._newest or self.nodes[self._newest[0]].depth >= self.depth:
             return []
-        width = min(TREE_WIDTH, self.room - self.context - self._slots_used)
+        width = min(self.width, self.room - self.context - self._slots_used)
         return sorted(self._newest, key=lambda node: -self.nodes[node].path)[:max(width, 0)]
 
     def expand(self, chosen: list[int]) -> tuple[tuple[list[int], int], TreeRows, torch.Tensor]:
@@ -247,8 +249,9 @@ class HeadDrafter(ModelDrafter):
         for req in drafting:
             self._states[req.request_id].scores = []
         chains, states = zip(*map(self._catch_up, drafting)) if drafting else ((), ())
-        trees = {req.request_id: self._new_tree(req, budgets[req.request_id])
-                 for req in drafting if self._grows_tree(req)}
+        greedy = [req for req in drafting if self._grows_tree(req)]
+        width = max(TREE_WIDTH // max(len(greedy), 1), 1)
+        trees = {req.request_id: self._new_tree(req, budgets[req.request_id], width) for req in greedy}
         rows = [None] * len(chains)
         features = self._fused(self.forward, states)
         scoring = self.companion.forward if self.companion and chains else None
@@ -294,10 +297,10 @@ class HeadDrafter(ModelDrafter):
         """A greedy request drafts a tree where the head's forward lays tree spans out and no companion scores it."""
         return req.sampling.greedy and not self.companion and self.forward.drafts_trees
 
-    def _new_tree(self, req: DraftableRequest, budget: int) -> HeadTree:
+    def _new_tree(self, req: DraftableRequest, budget: int, width: int) -> HeadTree:
         context = len(req.all_token_ids)
-        room = self.forward.make_room(req.request_id, context + TREE_WIDTH * max(budget - 1, 0))
-        return HeadTree(context, budget, room, self.forward.target_ids)
+        room = self.forward.make_room(req.request_id, context + width * max(budget - 1, 0))
+        return HeadTree(context, budget, width, room, self.forward.target_ids)
 
     def _candidates(
         self, req: DraftableRequest, trees: dict[str, HeadTree], drafted: dict[str, list[int]], budgets: dict[str, int],

@@ -44,6 +44,7 @@ def test_a_drafting_step_is_set_beside_plain_decode_steps_of_the_same_engine(tin
     row = profile_case(config, prompts, verify=False, model_draft=True)
     assert (row["step"], row["tokens"]) == (f"draft {MODEL_DRAFT_TOKENS}", 2)  # after a plain step: one token each
     assert row["phases_ms"]["draft"] > 0 and row["decode_step_ms"] > 0
+    assert MODEL_DRAFT_TOKENS <= row["drafted_per_request"] <= 3 * MODEL_DRAFT_TOKENS  # levels, and a tree's siblings
     engine = prefilled_engine(replace(config, spec=replace(config.spec, num_draft_tokens=MODEL_DRAFT_TOKENS)),
                               prompts)
     engine.step()  # drafts for the next step

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from drafters.base import Draft
 from drafters.config import SpecConfig
-from drafters.head_draft import CHILDREN, SIBLINGS
+from drafters.head_draft import CHILDREN, SIBLINGS, TREE_WIDTH
 from drafters.tree import TreeRows, chain_parents, depths
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
@@ -130,6 +130,27 @@ def test_a_greedy_requests_head_draft_is_a_tree_of_its_likeliest_paths(tiny_mode
         ranks = [sum(1 for m in range(n) if draft.parents[m] == draft.parents[n]) for n in range(len(draft))]
         branched += any(ranks[p] > 0 for p in draft.parents if p >= 0)
     assert temperature or branched
+
+
+@needs_fused_ops
+def test_the_ends_a_forward_expands_are_shared_by_the_rounds_greedy_requests(tiny_model_dir, tiny_head_dir):
+    """A head row costs about a tenth of a target row on a CPU: a round's trees expand TREE_WIDTH ends a forward
+    together, one each at least, so a batch's drafting costs what its chains would once it has TREE_WIDTH requests."""
+    engine = draft_engine(tiny_model_dir, tiny_head_dir, weights="gguf")
+    forward, spans = engine.draft_forward, []
+    run = forward.run
+
+    def record(chains, features, trees=None):
+        spans.append([len(tokens) for (_, tokens, _), tree in zip(chains, trees or []) if tree is not None])
+        return run(chains, features, trees)
+
+    forward.run = record
+    run_to_completion(engine, prompts(1, seed=9), [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)])
+    assert max(max(rows, default=0) for rows in spans) == TREE_WIDTH  # alone, a request expands TREE_WIDTH ends
+    spans.clear()
+    run_to_completion(engine, prompts(3, seed=4), [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 3)
+    assert spans and all(sum(rows) <= max(TREE_WIDTH, len(rows)) for rows in spans)
+    assert any(len(rows) == 3 for rows in spans)
 
 
 @needs_fused_ops
