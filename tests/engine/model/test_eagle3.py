@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from bench.exactness import divergence_verdict
 from drafters.base import Draft
 from drafters.config import SpecConfig
 from drafters.head_draft import CHILDREN, SIBLINGS, TREE_WIDTH
@@ -72,6 +73,32 @@ def test_greedy_output_with_a_head_equals_plain_decoding(
     outputs = assert_greedy_outputs_equal(plain_gguf if weights == "gguf" else plain, engine, prompts(6, seed=5),
                                           max_tokens=40)
     assert sum(o.spec.num_draft_tokens for o in outputs.values()) > 0, "the head must have drafted"
+
+
+@needs_fused_ops
+def test_greedy_trees_and_sampled_chains_in_one_round_keep_greedy_output_the_targets(
+    plain_gguf, tiny_model_dir, tiny_head_dir,
+):
+    """One head forward carries greedy requests' tree spans beside sampled requests' chains."""
+    engine = draft_engine(tiny_model_dir, tiny_head_dir, weights="gguf")
+    forward, mixed_forwards = engine.draft_forward, []
+    run = forward.run
+
+    def record(chains, features, trees=None):
+        kinds = {tree is None for tree in trees or [None] * len(chains)}
+        mixed_forwards.append(kinds == {True, False})
+        return run(chains, features, trees)
+
+    forward.run = record
+    batch = prompts(4, seed=6)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=3)
+    mixed = run_to_completion(engine, batch, [greedy, sampled, greedy, sampled])
+    reference = run_to_completion(plain_gguf, batch, [greedy] * 4)
+    for i in (0, 2):
+        ours, theirs = mixed[f"req-{i}"].new_token_ids, reference[f"req-{i}"].new_token_ids
+        assert divergence_verdict(plain_gguf.runner.model, batch[i], theirs, ours) != "mismatch", i
+    assert any(mixed_forwards)  # some forward carried both kinds
 
 
 def recorded_drafts(engine: Engine) -> list[Draft]:
