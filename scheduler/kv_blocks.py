@@ -64,6 +64,12 @@ class KVBlockManager:
     def can_grow(self, request_id: str, num_positions: int) -> bool:
         return self.num_new_blocks(request_id, num_positions) <= len(self._free)
 
+    def grow_towards(self, request_id: str, num_positions: int) -> int:
+        """Extend the request's table towards `num_positions` positions as far as the free blocks allow; returns the
+        positions it covers."""
+        self.grow(request_id, min(num_positions, self.positions_available(request_id)))
+        return len(self.block_tables.get(request_id, ())) * self.block_size
+
     def grow(self, request_id: str, num_positions: int) -> list[int]:
         """Extend the request's table to cover `num_positions` positions; returns the table."""
         needed = self.num_new_blocks(request_id, num_positions)

@@ -375,10 +375,9 @@ class ModelDraftBudget:
         """Grow the request's blocks to cover NUM_TOKENS drafted positions after its computed ones, or as many as
         the free blocks allow; returns how many it may draft."""
         start = req.num_computed_tokens  # the round's first forward computes the last token there
-        num_tokens = max(min(num_tokens, self.blocks.positions_available(req.request_id) - start), 0)
-        if num_tokens:
-            self.blocks.grow(req.request_id, start + num_tokens)
-        return num_tokens
+        if num_tokens <= 0:
+            return 0
+        return max(min(num_tokens, self.blocks.grow_towards(req.request_id, start + num_tokens) - start), 0)
 
 
 def _batch_key(reqs: list[Request], beside: Sequence[tuple[Request, Draft]]) -> tuple:

@@ -274,12 +274,7 @@ class HeadForward(DraftForward):
         """Grow the request's blocks towards NUM_POSITIONS positions (a tree's nodes are written past its drafted
         chain's), as far as free blocks allow; returns the positions covered. The next step's update gives back what
         the target does not accept."""
-        covered = len(self.blocks.block_tables.get(request_id, ())) * self.blocks.block_size
-        target = min(num_positions, self.blocks.positions_available(request_id))
-        if target > covered:
-            self.blocks.grow(request_id, target)
-            return target
-        return covered
+        return self.blocks.grow_towards(request_id, num_positions)
 
     def _run_lean(
         self, chains: list[tuple[str, list[int], int]], features: list[torch.Tensor], trees: list[TreeRows | None],

@@ -65,8 +65,7 @@ class HeadLayout:
 
     def _tree_mask(self, rows: TreeRows, num_keys: int) -> torch.Tensor:
         """[1, 1, rows, num_keys]: each row sees the real tokens and the table positions it names."""
-        mask = self._key_indices(num_keys)[None].expand(len(rows.sees), -1) < rows.context
-        mask = mask.clone()
+        mask = self._key_indices(num_keys)[None].repeat(len(rows.sees), 1) < rows.context
         for row, seen in enumerate(rows.sees):
             mask[row, seen] = True
         return mask.view(1, 1, len(rows.sees), num_keys)

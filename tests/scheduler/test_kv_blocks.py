@@ -27,6 +27,13 @@ def test_a_full_pool_refuses_without_changing_anything():
     assert manager.block_tables == {"a": [0, 1]}
 
 
+def test_growing_towards_a_length_takes_what_is_free_and_says_what_it_covers():
+    manager = KVBlockManager(num_blocks=3, block_size=4)
+    assert manager.grow_towards("a", 5) == 8  # two blocks
+    assert manager.grow_towards("a", 3) == 8  # covered already: nothing taken, nothing given back
+    assert manager.grow_towards("a", 40) == 12 and manager.num_free_blocks == 0  # as far as the pool allows
+
+
 def test_slots_follow_the_block_table():
     manager = KVBlockManager(num_blocks=4, block_size=3)
     manager.block_tables["x"] = [0, 2]
