@@ -39,6 +39,9 @@ class Draft:
     # off the request's last token, is not verified, and its last row's logits come back in Computed.lookahead_logits
     lookahead: tuple[tuple[int, ...], ...] = ()
     lookahead_yield: float = 0.0  # the drafter's measure of the tokens a look-ahead row earns later, per row
+    # the forwards of the drafter's model that drafted it, where more than its depth (a tree whose deepest nodes were
+    # not kept); 0: its depth
+    forwards: int = 0
 
     def __post_init__(self) -> None:
         """A chain's parents are built valid; given parents are checked (a large batch builds a draft per request a

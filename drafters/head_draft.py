@@ -177,6 +177,11 @@ class HeadTree:
         parents = [index[self.nodes[n].parent] if self.nodes[n].parent != ROOT else ROOT for n in order]
         return [self.nodes[n].token for n in order], parents, [self.nodes[n].probability for n in order]
 
+    @property
+    def forwards(self) -> int:
+        """The forwards that grew the tree: one a depth, the kept nodes' or not."""
+        return max((node.depth for node in self.nodes), default=0)
+
     def _ancestor_slots(self, node: int) -> list[int]:
         slots = []
         while node != ROOT:
@@ -198,7 +203,8 @@ class HeadDrafter(ModelDrafter):
         self.captures: CaptureSpec = forward.captures
         self._kv: dict[str, HeadKV] = {}
         self._siblings: dict[str, list[list[int]]] = {}  # per request drafting this round, per drafted token
-        self._trees: dict[str, tuple[list[int], list[int], list[float]]] = {}  # a greedy request's tree this round
+        # a greedy request's tree this round: (tokens, parents, estimates, forwards that grew it)
+        self._trees: dict[str, tuple[list[int], list[int], list[float], int]] = {}
         # per request drafting this round, per drafted token: the estimate of its acceptance given its parent's (a
         # greedy request's head probability of it, then of its siblings; with a companion, SV's estimate of it alone)
         self._confidence: dict[str, list[list[float]]] = {}
@@ -289,7 +295,7 @@ class HeadDrafter(ModelDrafter):
                     companion_features.append(companion_outputs[i])
             drafting = [drafting[i] for i in chosen]
         for request_id, tree in trees.items():
-            self._trees[request_id] = tree.draft((1 + SIBLINGS) * budgets[request_id])
+            self._trees[request_id] = (*tree.draft((1 + SIBLINGS) * budgets[request_id]), tree.forwards)
             drafted[request_id] = self._trees[request_id][0]
         return drafted, probs
 
@@ -361,8 +367,8 @@ class HeadDrafter(ModelDrafter):
         """The chain TOKEN_IDS with each token's siblings beside it (parents first) and the head's probability of each
         node, where the request kept them (a greedy request)."""
         if req.request_id in self._trees:
-            tree, parents, confidence = self._trees[req.request_id]
-            return Draft(tree, self.name, parents, acceptance=confidence)
+            tree, parents, confidence, forwards = self._trees[req.request_id]
+            return Draft(tree, self.name, parents, acceptance=confidence, forwards=forwards)
         siblings = self._siblings.get(req.request_id)
         if not siblings or acceptance is not None:
             return super()._as_draft(req, token_ids, acceptance)

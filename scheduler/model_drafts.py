@@ -196,10 +196,11 @@ class ModelDraftBudget:
 
     def observe_draft(self, draft: Draft) -> None:
         """A draft proposed for the next step: where it is the model's and carries the model's own estimates, its
-        nodes' path probabilities and its depth (the forwards that drafted it) are kept for the decisions to come."""
+        nodes' path probabilities and the forwards that drafted it (its depth, or more where a tree's deepest nodes
+        were not kept) are kept for the decisions to come."""
         if draft.source == self._source and draft.acceptance and len(draft):
             paths = path_probabilities(PlannedTree(draft.parents, draft.acceptance))
-            self.recent_drafts.append((paths, max(depths(draft.parents))))
+            self.recent_drafts.append((paths, max(draft.forwards, *depths(draft.parents))))
 
     def _depth(
         self, reqs: list[Request], max_tokens: int, source: str, beside: Sequence[tuple[Request, Draft]],

@@ -251,6 +251,19 @@ def test_its_recent_drafts_estimates_decide_whether_a_model_that_knows_its_accep
         assert (model_drafts.reserve([req], 5, "draft", knows_acceptance=True)["a"] > 0) == drafts
 
 
+def test_a_tree_is_priced_at_the_forwards_that_grew_it_not_the_depth_it_kept():
+    # a draft of two tokens pays for its two forwards; the same nodes kept from a tree grown four deep do not
+    decisions = []
+    for forwards in (0, 4):
+        model_drafts, blocks = budget(planned=True, rate=0.5)
+        req = decoding_request("a", 6, blocks)
+        model_drafts.reserve([req], 5, "draft", knows_acceptance=True)
+        for _ in range(DRAFTS_TRUSTED):
+            model_drafts.observe_draft(Draft([7, 8], "draft", acceptance=[0.9, 0.9], forwards=forwards))
+        decisions.append(model_drafts.reserve([req], 5, "draft", knows_acceptance=True)["a"] > 0)
+    assert decisions == [True, False]
+
+
 def test_a_rounds_chains_go_on_while_the_likeliest_together_pay_for_the_next_forward():
     # a forward costs 30 ms and 20 ms more a chain (a step 101 ms): a 0.9 path alone gains less than a forward,
     # with the 0.5 one beside it more than the forward of two; the 0.1 one adds less than its share

@@ -145,6 +145,7 @@ def test_a_greedy_requests_head_draft_is_a_tree_of_its_likeliest_paths(tiny_mode
             continue
         level = depths(draft.parents)
         assert max(level) <= 4 and len(draft) <= (1 + SIBLINGS) * 4  # as many nodes as a chain with its siblings
+        assert max(level) <= draft.forwards <= 4  # the forwards that grew it: its kept depth, or more
         assert all(token % 2 == 0 for token in draft.token_ids)  # all of the draft vocabulary
         for parent in {-1, *draft.parents}:
             children = [n for n, p in enumerate(draft.parents) if p == parent]
