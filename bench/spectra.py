@@ -40,7 +40,7 @@ from tqdm import tqdm
 from bench.agentic import agentic_prompts
 from bench.exactness import divergence_verdict
 from bench.ngram import DATASETS, first_turn_prompts
-from bench.runners import EngineRunner, generate_together
+from bench.runners import EngineRunner, acceptance_by_depth, accepted_histogram, generate_together
 from drafters.retrieval import BYTES_PER_TOKEN, SuffixIndex
 from engine.artifacts import corpus_path, weights_fingerprint
 from engine.calibration.corpus import corpus_samples
@@ -123,7 +123,8 @@ def row(phase: str, dataset: str, question: dict, variant: Variant, gen, verdict
         "drafter": variant.drafter, "planner": variant.planner, "without": variant.without,
         "new_tokens": len(gen.token_ids), "seconds": round(gen.seconds, 4), "num_forwards": gen.num_forwards,
         "num_drafts": gen.num_drafts, "drafted_tokens": gen.drafted_tokens, "accepted_tokens": gen.accepted_tokens,
-        "lookahead_rows": gen.lookahead_rows, "identical_to_baseline": verdict == "identical", "exactness": verdict,
+        "lookahead_rows": gen.lookahead_rows, "accepted_histogram": accepted_histogram(gen.accepted_per_draft),
+        "identical_to_baseline": verdict == "identical", "exactness": verdict,
     }
 
 
@@ -164,12 +165,36 @@ def summary_entry(key: tuple, group: list[dict]) -> dict:
         "phase": phase, "dataset": dataset, "variant": variant, "num_questions": len(group),
         "tokens_per_call": round(new_tokens / forwards, 3), "tokens_per_s": round(new_tokens / seconds, 3),
         "mean_acceptance_length": round(1 + accepted / num_drafts, 3) if num_drafts else 1.0,
+        "acceptance_by_depth": acceptance_by_depth(summed_histogram([r.get("accepted_histogram", []) for r in group])),
         "lookahead_rows_per_call": round(sum(r["lookahead_rows"] for r in group) / forwards, 2),
         "drafted_tokens": sum(r["drafted_tokens"] for r in group), "accepted_tokens": accepted,
         "all_identical_to_baseline": None if any(r["exactness"] == "sampled" for r in group)
         else all(r["exactness"] != "mismatch" for r in group),
         "num_near_ties": sum(r["exactness"] == "near-tie" for r in group),
     }
+
+
+def summed_histogram(histograms: list[list[int]]) -> list[int]:
+    total = [0] * max(map(len, histograms), default=0)
+    for histogram in histograms:
+        for n, count in enumerate(histogram):
+            total[n] += count
+    return total
+
+
+def depth_table(entries: list[dict]) -> list[str]:
+    """Planner off, per variant that drafts: the share of verifications whose first d drafted tokens were accepted."""
+    entries = [s for s in entries if s.get("acceptance_by_depth")]
+    if not entries:
+        return []
+    deepest = max(len(s["acceptance_by_depth"]) for s in entries)
+    lines = ["Acceptance by depth (planner off): the share of verifications whose first d drafted tokens the target "
+             "accepted.", "", "| dataset | variant | " + " | ".join(f"d = {d}" for d in range(1, deepest + 1)) + " |",
+             "|---|---|" + "---|" * deepest]
+    for s in entries:
+        shares = s["acceptance_by_depth"] + [0.0] * (deepest - len(s["acceptance_by_depth"]))
+        lines.append(f"| {s['dataset']} | {s['variant']} | " + " | ".join(f"{p:.3f}" for p in shares) + " |")
+    return lines + [""]
 
 
 def markdown(results: dict) -> str:
@@ -195,6 +220,7 @@ def markdown(results: dict) -> str:
                   f"{s['speedup_vs_none']:.2f} | {s['mean_acceptance_length']:.2f} | {s['lookahead_rows_per_call']} |"
                   for s in entries]
         lines.append("")
+    lines += depth_table([s for s in results["summary"] if s["phase"] == "planner-off"])
     mismatches = sum(r["exactness"] == "mismatch" for r in results["rows"])
     compared = sum(r["exactness"] != "sampled" for r in results["rows"])
     lines.append(f"Exactness: {mismatches} outputs differ from `none` beyond a near-tie, over {compared} greedy "

@@ -1,7 +1,7 @@
 """`specserve bench spectra`: the ablation takes exactly one component away from the drafter, and labels say which."""
 import pytest
 
-from bench.spectra import ABLATED, ABLATION, AGENTIC, PLANNER_OFF, TRAFFIC, ablate
+from bench.spectra import ABLATED, ABLATION, AGENTIC, PLANNER_OFF, TRAFFIC, ablate, depth_table, summary_entry
 from drafters.model_ngrams import ModelNgrams
 from drafters.retrieval import SuffixIndex
 from drafters.spectra import DICTIONARIES, SpectraDrafter
@@ -62,3 +62,16 @@ def test_the_ablation_rows_take_each_component_away_once_planner_on():
                       "spectra without model-ngrams planner on", "spectra unfiltered corpus planner on"]
     assert {variant.without for variant in ABLATION[2:]} == set(ABLATED)
     assert [variant.label for variant in PLANNER_OFF] == ["none", "ngram planner off", "spectra planner off"]
+
+
+def test_the_planner_off_rows_report_acceptance_by_depth_summed_over_questions():
+    def question(histogram):
+        return {"new_tokens": 10, "seconds": 1.0, "num_drafts": sum(histogram), "num_forwards": 5,
+                "accepted_tokens": sum(n * c for n, c in enumerate(histogram)), "lookahead_rows": 0,
+                "drafted_tokens": 9, "accepted_histogram": histogram, "exactness": "identical"}
+
+    entry = summary_entry(("planner-off", "mt-bench", "draft planner off"), [question([1, 1]), question([0, 1, 2])])
+    assert entry["acceptance_by_depth"] == [0.8, 0.4]  # 4 of 5 drafts accepted one token or more, 2 two
+    assert entry["mean_acceptance_length"] == 2.2
+    table = depth_table([entry, dict(entry, variant="none", acceptance_by_depth=[])])
+    assert table[-2] == "| mt-bench | draft planner off | 0.800 | 0.400 |" and len(table) == 6
