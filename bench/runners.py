@@ -25,8 +25,8 @@ class Generation:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     lookahead_rows: int = 0  # look-ahead rows its forwards carried (drafters/spectra.py's candidate pool)
-    # per verified draft, the drafted tokens the target accepted (an engine's: `acceptance_by_depth` reads them)
-    accepted_per_draft: list[int] = field(default_factory=list)
+    # [depth - 1] drafted tokens accepted at each depth (an engine's step stats, summed: `acceptance_by_depth`)
+    accepted_per_position: list[int] = field(default_factory=list)
     text: str | None = None  # the server's own text, for peers compared by text (bench/llama_server.py)
 
 
@@ -78,8 +78,7 @@ class InFlight:
         self.token_ids: list[int] = []
         self.num_forwards = 0
         self.lookahead_rows = 0
-        self.accepted_per_draft: list[int] = []
-        self._counted = (0, 0)  # the request's verified drafts and accepted tokens after its last step
+        self.accepted_per_position: list[int] = []
         self.spec = None
         start = time.perf_counter()
         engine.add_request(request)
@@ -95,42 +94,34 @@ class InFlight:
         self.seconds += time.perf_counter() - start
         self.num_forwards += 1
         self.lookahead_rows += step.stats.num_lookahead_rows
+        for spec in step.stats.spec_by_drafter.values():
+            self.accepted_per_position = summed([self.accepted_per_position, spec.num_accepted_per_position])
         for output in step.outputs:
             self.token_ids += output.new_token_ids
-            self._count_accepted(output.spec)
-
-    def _count_accepted(self, spec) -> None:
-        """The request's speculation counters after a step: where they count one more verified draft, the tokens
-        it accepted."""
-        if spec is None:
-            return
-        drafts, accepted = self._counted
-        if spec.num_drafts == drafts + 1:
-            self.accepted_per_draft.append(spec.num_accepted_tokens - accepted)
-        self._counted = (spec.num_drafts, spec.num_accepted_tokens)
-        self.spec = spec
+            self.spec = output.spec or self.spec
 
     def finish(self) -> Generation:
         while not self.done:
             self.step()
         return Generation(self.token_ids, self.seconds, self.num_forwards, self.spec.num_drafts,
                           self.spec.num_draft_tokens, self.spec.num_accepted_tokens, self.lookahead_rows,
-                          accepted_per_draft=self.accepted_per_draft)
+                          accepted_per_position=self.accepted_per_position)
 
 
-def accepted_histogram(accepted_per_draft: list[int]) -> list[int]:
-    """[n]: the verified drafts the target accepted n drafted tokens of."""
-    counts = [0] * (max(accepted_per_draft, default=-1) + 1)
-    for n in accepted_per_draft:
-        counts[n] += 1
-    return counts
+def summed(counts: list[list[int]]) -> list[int]:
+    """Lists of counts of different lengths, added index by index."""
+    total = [0] * max(map(len, counts), default=0)
+    for row in counts:
+        for i, count in enumerate(row):
+            total[i] += count
+    return total
 
 
-def acceptance_by_depth(histogram: list[int]) -> list[float]:
-    """Per depth d from 1, from an `accepted_histogram`: the share of verified drafts whose first d drafted tokens
-    the target accepted (their sum is the mean acceptance length less one)."""
-    drafts = sum(histogram)
-    return [round(sum(histogram[d:]) / drafts, 3) for d in range(1, len(histogram))] if drafts else []
+def acceptance_by_depth(accepted_per_position: list[int], num_drafts: int) -> list[float]:
+    """Per depth d from 1: the share of NUM_DRAFTS verified drafts whose first d drafted tokens the target accepted
+    (a draft's token at depth d is accepted only with its first d - 1; the shares sum to the mean acceptance length
+    less one)."""
+    return [round(count / num_drafts, 3) for count in accepted_per_position] if num_drafts else []
 
 
 def generate_together(runners: Mapping[Key, object], prompt_ids: list[int],

@@ -40,7 +40,7 @@ from tqdm import tqdm
 from bench.agentic import agentic_prompts
 from bench.exactness import divergence_verdict
 from bench.ngram import DATASETS, first_turn_prompts
-from bench.runners import EngineRunner, acceptance_by_depth, accepted_histogram, generate_together
+from bench.runners import EngineRunner, acceptance_by_depth, generate_together, summed
 from drafters.retrieval import BYTES_PER_TOKEN, SuffixIndex
 from engine.artifacts import corpus_path, weights_fingerprint
 from engine.calibration.corpus import corpus_samples
@@ -123,7 +123,7 @@ def row(phase: str, dataset: str, question: dict, variant: Variant, gen, verdict
         "drafter": variant.drafter, "planner": variant.planner, "without": variant.without,
         "new_tokens": len(gen.token_ids), "seconds": round(gen.seconds, 4), "num_forwards": gen.num_forwards,
         "num_drafts": gen.num_drafts, "drafted_tokens": gen.drafted_tokens, "accepted_tokens": gen.accepted_tokens,
-        "lookahead_rows": gen.lookahead_rows, "accepted_histogram": accepted_histogram(gen.accepted_per_draft),
+        "lookahead_rows": gen.lookahead_rows, "accepted_per_position": gen.accepted_per_position,
         "identical_to_baseline": verdict == "identical", "exactness": verdict,
     }
 
@@ -165,21 +165,13 @@ def summary_entry(key: tuple, group: list[dict]) -> dict:
         "phase": phase, "dataset": dataset, "variant": variant, "num_questions": len(group),
         "tokens_per_call": round(new_tokens / forwards, 3), "tokens_per_s": round(new_tokens / seconds, 3),
         "mean_acceptance_length": round(1 + accepted / num_drafts, 3) if num_drafts else 1.0,
-        "acceptance_by_depth": acceptance_by_depth(summed_histogram([r.get("accepted_histogram", []) for r in group])),
+        "acceptance_by_depth": acceptance_by_depth(summed([r["accepted_per_position"] for r in group]), num_drafts),
         "lookahead_rows_per_call": round(sum(r["lookahead_rows"] for r in group) / forwards, 2),
         "drafted_tokens": sum(r["drafted_tokens"] for r in group), "accepted_tokens": accepted,
         "all_identical_to_baseline": None if any(r["exactness"] == "sampled" for r in group)
         else all(r["exactness"] != "mismatch" for r in group),
         "num_near_ties": sum(r["exactness"] == "near-tie" for r in group),
     }
-
-
-def summed_histogram(histograms: list[list[int]]) -> list[int]:
-    total = [0] * max(map(len, histograms), default=0)
-    for histogram in histograms:
-        for n, count in enumerate(histogram):
-            total[n] += count
-    return total
 
 
 def depth_table(entries: list[dict]) -> list[str]:

@@ -1,5 +1,5 @@
 """bench/runners.py: engines answering one prompt together, a step at a time, give what each gives alone."""
-from bench.runners import EngineRunner, Generation, acceptance_by_depth, accepted_histogram, generate_together
+from bench.runners import EngineRunner, Generation, acceptance_by_depth, generate_together, summed
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from engine.engine import Engine
 from scheduler.config import SchedulerConfig
@@ -41,15 +41,14 @@ def test_engines_taking_turns_answer_as_each_does_alone(tiny_model_dir):
 
 def test_each_verified_draft_counts_the_tokens_it_accepted(tiny_model_dir):
     gen = runner(tiny_model_dir, "copyspec").generate(PROMPT, 24)
-    assert len(gen.accepted_per_draft) == gen.num_drafts > 0
-    assert sum(gen.accepted_per_draft) == gen.accepted_tokens and max(gen.accepted_per_draft) > 0
-    histogram = accepted_histogram(gen.accepted_per_draft)
-    depths = acceptance_by_depth(histogram)
+    assert gen.num_drafts > 0
+    assert sum(gen.accepted_per_position) == gen.accepted_tokens and gen.accepted_per_position[0] > 0
+    depths = acceptance_by_depth(gen.accepted_per_position, gen.num_drafts)
     assert depths == sorted(depths, reverse=True)
     assert abs(1 + sum(depths) - (1 + gen.accepted_tokens / gen.num_drafts)) < 0.01  # the mean acceptance length
 
 
 def test_acceptance_by_depth_is_the_share_of_drafts_accepted_at_least_that_deep():
-    assert accepted_histogram([0, 2, 2, 1]) == [1, 1, 2]
-    assert acceptance_by_depth([1, 1, 2]) == [0.75, 0.5]
-    assert acceptance_by_depth([]) == []
+    assert summed([[1, 1], [2, 1, 1]]) == [3, 2, 1]
+    assert acceptance_by_depth([3, 2], 4) == [0.75, 0.5]
+    assert acceptance_by_depth([], 0) == []

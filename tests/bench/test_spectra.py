@@ -65,12 +65,12 @@ def test_the_ablation_rows_take_each_component_away_once_planner_on():
 
 
 def test_the_planner_off_rows_report_acceptance_by_depth_summed_over_questions():
-    def question(histogram):
-        return {"new_tokens": 10, "seconds": 1.0, "num_drafts": sum(histogram), "num_forwards": 5,
-                "accepted_tokens": sum(n * c for n, c in enumerate(histogram)), "lookahead_rows": 0,
-                "drafted_tokens": 9, "accepted_histogram": histogram, "exactness": "identical"}
+    def question(accepted_per_position, num_drafts):
+        return {"new_tokens": 10, "seconds": 1.0, "num_drafts": num_drafts, "num_forwards": 5,
+                "accepted_tokens": sum(accepted_per_position), "lookahead_rows": 0, "drafted_tokens": 9,
+                "accepted_per_position": accepted_per_position, "exactness": "identical"}
 
-    entry = summary_entry(("planner-off", "mt-bench", "draft planner off"), [question([1, 1]), question([0, 1, 2])])
+    entry = summary_entry(("planner-off", "mt-bench", "draft planner off"), [question([1], 2), question([3, 2], 3)])
     assert entry["acceptance_by_depth"] == [0.8, 0.4]  # 4 of 5 drafts accepted one token or more, 2 two
     assert entry["mean_acceptance_length"] == 2.2
     table = depth_table([entry, dict(entry, variant="none", acceptance_by_depth=[])])
