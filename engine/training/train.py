@@ -29,6 +29,8 @@ from engine.training.ttt import (
     StepStats,
     acceptance_length,
     learning_rate,
+    mixed_precision,
+    native_bfloat16,
     sample_loss,
     step_accuracies,
 )
@@ -73,7 +75,7 @@ def train_draft(config: EngineConfig, options: TrainOptions) -> None:
               "data": {"answers": len(data.samples), "answer_tokens": data.num_answer_tokens,
                        "train_tokens": sum(s.num_tokens for s in train), "held_out_answers": len(held_out),
                        "draft_vocab": len(data.draft_ids), "draft_vocab_coverage": round(data.coverage, 4)},
-              "target_layers": list(layers), "epochs": []}
+              "target_layers": list(layers), "bfloat16_autocast": native_bfloat16(), "epochs": []}
     if starting is not None:  # what the head started from scores on the same held-out answers: what training added
         record["init"] = dict(validate(head, held_out, options.ttt_steps), epoch=0, head=str(options.init))
         logger.info("train-draft: the starting head: %s", record["init"])
@@ -86,12 +88,13 @@ def train_draft(config: EngineConfig, options: TrainOptions) -> None:
         for sample in tqdm(train, desc=f"epoch {epoch}/{options.epochs}", unit="answer"):
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, total_steps, options.lr)
-            loss, _ = sample_loss(head, sample, options.ttt_steps)
+            with mixed_precision():
+                loss, _ = sample_loss(head, sample, options.ttt_steps)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), MAX_GRAD_NORM)
             optimizer.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
             step += 1
         validation = validate(head, held_out, options.ttt_steps)
         validation.update(epoch=epoch, train_loss=round(sum(losses) / len(losses), 4),
@@ -152,7 +155,8 @@ def validate(head: Eagle3Head, held_out: list, steps: int) -> dict:
     """Acceptance on the held-out greedy answers as the head drafts a chain of STEPS tokens, and each step's
     agreement with the target's most likely token on every held-out answer."""
     head.eval()
-    stats: list[StepStats] = [sample_loss(head, sample, steps)[1] for sample in held_out]
+    with mixed_precision():
+        stats: list[StepStats] = [sample_loss(head, sample, steps)[1] for sample in held_out]
     greedy = [s for s, sample in zip(stats, held_out) if sample.greedy]
     return {"acceptance_length": round(acceptance_length(greedy or stats), 3),
             "step_accuracy": [round(a, 3) for a in step_accuracies(stats)],

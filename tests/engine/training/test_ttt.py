@@ -14,6 +14,8 @@ from engine.training.ttt import (
     acceptance_length,
     head_steps,
     learning_rate,
+    mixed_precision,
+    native_bfloat16,
     sample_loss,
 )
 from tests.conftest import TINY_VOCAB
@@ -84,6 +86,33 @@ def test_a_few_steps_of_training_lower_the_loss_and_leave_the_targets_embedding_
         optimizer.step()
     assert float(loss.detach()) < 0.8 * float(first.detach())
     assert torch.equal(embed.weight, before) and embed.weight.grad is None
+
+
+def test_mixed_precision_learns_what_float32_learns(tiny_head_dir):
+    """A step under bfloat16 autocast (where the CPU has it) gives float32's loss and gradients to bfloat16's
+    precision, and the weights it updates stay float32."""
+    losses, grads, embed = [], [], torch.nn.Embedding(TINY_VOCAB, 32)
+    for context in (torch.autocast("cpu", dtype=torch.bfloat16), torch.autocast("cpu", enabled=False)):
+        head = load_eagle3_head(tiny_head_dir, embed, torch.float32, torch.device("cpu")).train()
+        with context:
+            loss, _ = sample_loss(head, random_sample(16, hidden=32), steps=3)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append(torch.cat([p.grad.flatten() for p in head.parameters() if p.grad is not None]))
+        assert all(p.dtype == torch.float32 for p in head.parameters())
+    assert abs(losses[0] - losses[1]) <= 0.02 * abs(losses[1])
+    assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.99
+
+
+def test_mixed_precision_is_float32_where_the_cpu_has_no_native_bfloat16(monkeypatch):
+    from engine.training import ttt
+    monkeypatch.setattr(ttt, "native_bfloat16", lambda: False)
+    with mixed_precision():
+        assert not torch.is_autocast_enabled("cpu")
+    monkeypatch.setattr(ttt, "native_bfloat16", lambda: True)
+    with mixed_precision():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    assert isinstance(native_bfloat16(), bool)
 
 
 def test_only_answer_positions_are_scored():
