@@ -270,6 +270,44 @@ INLINE int64_t sample_body(const float* x, int64_t n, float inv_t, double u, flo
   return last;
 }
 
+// The index torch.argmax gives a row X [n]: the first of its largest float, or of its first NaN where it has one. One
+// pass keeps each lane's largest float and the first block it was reached in (a block index as a float: exact below
+// 2^24); the row's largest is the largest lane's, its first index the least block * 16 + lane among lanes holding it
+// (a lane's first block comes before every later one in any lane). The floats past the last whole vector follow.
+INLINE int64_t argmax_body(const float* x, int64_t n) {
+  const int64_t whole = n / W;
+  const vf zero = splat(0.0f), one = splat(1.0f);
+  vf high = splat(-INFINITY), first = zero, nans = zero;
+  for (int64_t b = 0; b < whole; ++b) {
+    const vf v = load(x + b * W);
+    first = select(v > high, splat(static_cast<float>(b)), first);
+    high = select(v > high, v, high);
+    nans = nans + select(v == v, zero, one);
+  }
+  float lanes[W], blocks[W], nan_lanes[W];
+  store(lanes, high);
+  store(blocks, first);
+  store(nan_lanes, nans);
+  bool nan = false;
+  for (int l = 0; l < W; ++l) nan = nan || nan_lanes[l] > 0.0f;
+  for (int64_t j = whole * W; j < n; ++j) nan = nan || std::isnan(x[j]);
+  if (nan) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (std::isnan(x[j])) return j;
+    }
+  }
+  float top = -INFINITY;
+  int64_t index = 0;
+  for (int l = 0; l < W && whole; ++l) {
+    const int64_t at = static_cast<int64_t>(blocks[l]) * W + l;
+    if (lanes[l] > top || (lanes[l] == top && at < index)) top = lanes[l], index = at;
+  }
+  for (int64_t j = whole * W; j < n; ++j) {
+    if (x[j] > top || (!whole && j == 0)) top = x[j], index = j;
+  }
+  return index;
+}
+
 // ---- the entry points fused_ops.cpp dispatches to -----------------------------------------------------------------
 
 void rope_kernel(const RopeArgs& a, int64_t begin, int64_t end) { rope_body(a, begin, end); }
@@ -291,6 +329,10 @@ void gated_kernel(bool gelu, const float* gate_up, int64_t stride, float* out, i
   } else {
     gated_body<false>(gate_up, stride, out, n, begin, end);
   }
+}
+
+void argmax_kernel(const float* x, int64_t stride, int64_t n, int64_t* out, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) out[r] = argmax_body(x + r * stride, n);
 }
 
 void sample_kernel(const float* x, int64_t stride, int64_t n, float inv_t, const double* u, float* e, float* sums,

@@ -27,6 +27,7 @@ TORCH_LIBRARY(specserve, m) {
         "-> Tensor", &span_attention);
   m.def("spans_attention(Tensor query, Tensor keys, Tensor values, int[] query_starts, int[] query_lens, "
         "Tensor[] key_slots, Tensor[] masks, float scaling, Tensor(a!) out) -> ()", &spans_attention);
+  m.def("argmax_rows(Tensor logits) -> Tensor", &argmax_rows);
   m.def("sample_rows(Tensor logits, float inv_temperature, float[] uniforms) -> Tensor", &sample_rows);
   // engine/model/csrc/decoder_layer.cpp: a whole layer of the lean decoder, its projections GGUF blocks
   m.def("decoder_layer(Tensor(a!) hidden, Tensor normed, Tensor cos, Tensor sin, Tensor slots, int[] query_starts, "

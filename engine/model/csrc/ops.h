@@ -23,6 +23,7 @@ torch::Tensor span_attention(const torch::Tensor& query, const torch::Tensor& ke
 void spans_attention(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
                      at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::TensorList key_slots,
                      at::TensorList masks, double scaling, torch::Tensor& out);
+torch::Tensor argmax_rows(const torch::Tensor& logits);
 torch::Tensor sample_rows(const torch::Tensor& logits, double inv_temperature, at::ArrayRef<double> uniforms);
 bool has_vnni();  // module.cpp
 bool has_amx();  // block_linear.cpp

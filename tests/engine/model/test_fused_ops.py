@@ -67,12 +67,40 @@ def test_every_variant_gives_the_same_bits():
                                                                                           weight, EPS),
                 ops().rope_write(qkv, cos, sin, 2, 1, weight[:256], weight[256:512], EPS, keys, values,
                                  torch.tensor([1, 3])), keys, ops().sample_rows(gate_up, 1.3, [0.2, 0.7, 1.0]),
+                ops().argmax_rows(gate_up),
             ]
     finally:
         kernels().set_fused_ops_isa(default)
     first, *others = outputs.values()
     for name, got in zip(list(outputs)[1:], others):
         assert all(torch.equal(a, b) for a, b in zip(first, got)), name
+
+
+def argmax_rows_cases() -> torch.Tensor:
+    """Rows whose argmax torch.argmax decides by its rules: ties (the first index), NaN (the first NaN), infinities,
+    a row of -inf, signed zeros, the largest in the tail past the last whole vector of 16."""
+    n = 49_157  # 3,072 vectors of 16 and a tail of 5
+    rows = randn(12, n, seed=21, scale=3.0).round()  # rounded: many ties of the largest
+    rows[1, [7, 9_000, 49_000]] = 100.0
+    rows[2, [40, 30_000]] = float("nan")
+    rows[3, 17] = float("inf")
+    rows[4] = float("-inf")
+    rows[5] = 0.0
+    rows[5, :8] = -0.0
+    rows[6, n - 2] = 1e9
+    rows[7, [n - 1, 3]] = 1e9  # a tie between the tail and the first vector
+    rows[8, n - 3] = float("nan")
+    rows[9, [33, 1_000]] = float("inf")
+    rows[10, 5] = float("-inf")
+    return rows
+
+
+@pytest.mark.parametrize("n", [49_157, 49_152, 16, 15, 1])
+def test_argmax_rows_is_torchs_argmax(isa, n):
+    rows = argmax_rows_cases()[:, :n].contiguous()
+    assert torch.equal(ops().argmax_rows(rows), rows.argmax(dim=-1))
+    strided = argmax_rows_cases()[:, :n]  # rows that lie apart in memory
+    assert torch.equal(ops().argmax_rows(strided), strided.argmax(dim=-1))
 
 
 @pytest.mark.parametrize("n", [576, 577, 40])
