@@ -258,21 +258,40 @@ torch::Tensor span_attention(const torch::Tensor& query, const torch::Tensor& ke
 
 // spans_attention: `span_attention` for each of several sequences, written into their rows of OUT [total, H, d]:
 // span i's queries are query[query_starts[i] : + query_lens[i]], its keys at KEY_SLOTS[i], its mask MASKS[i]. One
-// parallel loop per layer over all of their rows, whatever the number of sequences.
+// parallel loop per layer over all of their rows, whatever the number of sequences. A span of one query (decoding)
+// is read from QUERY and written to OUT in place (row_attention.h `DecodeSpan`): the same arithmetic, no tensors.
 void spans_attention(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
                      at::IntArrayRef query_starts, at::IntArrayRef query_lens, at::TensorList key_slots,
                      at::TensorList masks, double scaling, torch::Tensor& out) {
   const size_t n = query_starts.size();
   TORCH_CHECK(query_lens.size() == n && key_slots.size() == n && masks.size() == n,
               "spans_attention: one start, length, key slots and mask per span");
+  const int64_t H = query.size(1), d = query.size(2);
+  TORCH_CHECK(keys.dim() == 3 && keys.size(2) == d, "spans_attention: keys [slots, K, d] of the queries' head size");
+  const bool in_place = query.is_contiguous() && out.is_contiguous() && out.sizes() == query.sizes() &&
+                        query.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32;
   std::vector<RowAttentionArgs> calls;
+  std::vector<size_t> called;  // the spans computed as calls, their outputs copied into OUT's rows
+  std::vector<DecodeSpan> decoding;
   for (size_t i = 0; i < n; ++i) {
-    calls.push_back(span_args(query.narrow(0, query_starts[i], query_lens[i]), keys, values, key_slots[i], masks[i],
-                              scaling));
+    const auto& mask = masks[i];
+    const auto& slots = key_slots[i];
+    // a decoding span reads its mask's first row alone: contiguous, whatever the rows' strides (an expanded mask's 0)
+    if (in_place && query_lens[i] == 1 && mask.scalar_type() == torch::kBool && mask.dim() == 4 &&
+        mask.stride(3) == 1 && mask.size(3) == slots.numel() && slots.scalar_type() == torch::kInt64 &&
+        slots.is_contiguous()) {
+      const int64_t row = query_starts[i] * H * d;
+      decoding.push_back({query.data_ptr<float>() + row, mask.data_ptr<bool>(), slots.data_ptr<int64_t>(),
+                          slots.numel(), out.data_ptr<float>() + row});
+      continue;
+    }
+    calls.push_back(span_args(query.narrow(0, query_starts[i], query_lens[i]), keys, values, slots, mask, scaling));
+    called.push_back(i);
   }
-  const auto outs = row_attention_all(calls);
-  for (size_t i = 0; i < n; ++i) {
-    out.narrow(0, query_starts[i], query_lens[i]).copy_(span_rows(outs[i], query_lens[i], query.size(1), query.size(2)));
+  const auto outs = row_attention_all(calls, decoding, &keys, &values, H, scaling);
+  for (size_t c = 0; c < called.size(); ++c) {
+    const size_t i = called[c];
+    out.narrow(0, query_starts[i], query_lens[i]).copy_(span_rows(outs[c], query_lens[i], H, d));
   }
 }
 

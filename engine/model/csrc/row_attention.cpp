@@ -259,6 +259,29 @@ Call prepare(const RowAttentionArgs& a) {
   return c;
 }
 
+// A decoding span as the call row_attention_all would prepare from span_attention's views of it (fused_ops.cpp
+// span_args): its query as [1, K, G, d], the pool as [1, K, slots, d], its output OUT's own rows.
+Call decode_call(const DecodeSpan& span, const torch::Tensor& keys, const torch::Tensor& values, int64_t heads,
+                 double scaling) {
+  const int64_t K = keys.size(1), d = keys.size(2), S = keys.size(0);
+  TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && values.scalar_type() == torch::kFloat32 && keys.stride(2) == 1 &&
+                  keys.strides() == values.strides() && keys.sizes() == values.sizes() && heads % K == 0,
+              "span_attention: float32 keys and values alike, query heads a multiple of kv heads");
+  for (int64_t j = 0; j < span.L; ++j) {
+    TORCH_CHECK(span.key_slots[j] >= 0 && span.key_slots[j] < S, "key_rows must index k's rows");
+  }
+  Call c;
+  c.R = 1, c.H = K, c.G = heads / K, c.rows = c.G, c.Q = 1, c.d = d, c.L = span.L;
+  c.qs = {heads * d, c.G * d, d};
+  c.ks = {S * keys.stride(0), keys.stride(1), keys.stride(0)};
+  c.vs = {S * values.stride(0), values.stride(1), values.stride(0)};
+  c.qp = span.query, c.kp = keys.data_ptr<float>(), c.vp = values.data_ptr<float>();
+  c.mp = span.mask, c.mask_rows = 1, c.kr = span.key_slots, c.key_rows_stride = span.L;
+  c.op = span.out;
+  c.scale = static_cast<float>(scaling);
+  return c;
+}
+
 }  // namespace
 
 // Each call: q [R, H, G * Q, d] (G query heads per KV head, head-major: row g * Q + i is head g at query i); k, v
@@ -268,16 +291,19 @@ Call prepare(const RowAttentionArgs& a) {
 // keys read where they lie in the pool -> [R, H, G * Q, d]. The G rows of a query are computed together, MAX_GROUP
 // at a time, each as if alone; only the keys up to a query's last allowed one are scored. The calls' queries share
 // one parallel loop.
-std::vector<torch::Tensor> row_attention_all(const std::vector<RowAttentionArgs>& args) {
+std::vector<torch::Tensor> row_attention_all(const std::vector<RowAttentionArgs>& args,
+                                             const std::vector<DecodeSpan>& decoding, const torch::Tensor* keys,
+                                             const torch::Tensor* values, int64_t heads, double scaling) {
   TORCH_CHECK(current_row_isa() != RowIsa::none, "row_attention needs AVX-512F or AVX2 with FMA");
   const AttendGroup attend_group =
       current_row_isa() == RowIsa::avx512 ? row_avx512::attend_group : row_avx2::attend_group;
   std::vector<Call> calls;
+  for (const auto& a : args) calls.push_back(prepare(a));
+  for (const auto& span : decoding) calls.push_back(decode_call(span, *keys, *values, heads, scaling));
   int64_t queries = 0, padded = LANES;
-  for (const auto& a : args) {
-    calls.push_back(prepare(a));
-    queries += calls.back().R * calls.back().H * calls.back().Q;
-    padded = std::max(padded, (calls.back().L + LANES - 1) / LANES * LANES + LANES);
+  for (const auto& c : calls) {
+    queries += c.R * c.H * c.Q;
+    padded = std::max(padded, (c.L + LANES - 1) / LANES * LANES + LANES);
   }
   // Fewer queries than threads (decoding with one KV head): a query's heads split into smaller groups, one per
   // thread. Each head's arithmetic is that of a row alone whatever its group, so the split changes no bits.
@@ -317,7 +343,7 @@ std::vector<torch::Tensor> row_attention_all(const std::vector<RowAttentionArgs>
     }
   });
   std::vector<torch::Tensor> outs;
-  for (const auto& c : calls) outs.push_back(c.out);
+  for (size_t i = 0; i < args.size(); ++i) outs.push_back(calls[i].out);
   return outs;
 }
 

@@ -239,3 +239,34 @@ def test_spans_attention_writes_each_spans_rows_as_span_attention_computes_them(
         expected = ops().span_attention(query[start:start + num_queries], keys, values, key_slots_of_span, mask, 0.125)
         assert torch.equal(out[start:start + num_queries], expected)
     assert torch.isnan(out[5]).all()
+
+
+@pytest.mark.skipif(not row_attention_available(), reason="row_attention needs AVX-512F or AVX2 with FMA")
+def test_decoding_spans_read_and_written_in_place_give_span_attentions_bits():
+    """Spans of one query (a decoding step's) are read from the packed query and written to the packed output in
+    place, beside a span of several queries in the same call: each row the bits span_attention gives it alone, the
+    embedded model's 9 query heads over 3 KV heads, contexts of any length, keys where their blocks lie apart."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    keys, values = randn(2048, kv_heads, head_dim, seed=16), randn(2048, kv_heads, head_dim, seed=17)
+    generator = torch.Generator().manual_seed(4)
+    lengths = [1, 1, 3, 1, 1, 1]
+    query = randn(sum(lengths), heads, head_dim, seed=18)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    slots, masks = [], []
+    for num_queries, context in zip(lengths, [1, 17, 40, 300, 513, 64]):
+        num_keys = -(-context // 16) * 16
+        slots.append(torch.randperm(2048, generator=generator)[:num_keys])
+        mask = torch.zeros(1, 1, num_queries, num_keys, dtype=torch.bool)
+        for i in range(num_queries):
+            mask[..., i, :context - num_queries + 1 + i] = True
+        # a decoding span's mask as the engine lays it out: one row expanded over the query heads (strides 0)
+        masks.append(mask if num_queries > 1 else mask.expand(1, 1, heads // kv_heads, num_keys))
+    out = torch.full_like(query, float("nan"))
+    ops().spans_attention(query, keys, values, starts, lengths, slots, masks, 0.125, out)
+    for start, num_queries, key_slots_of_span, mask in zip(starts, lengths, slots, masks):
+        expected = ops().span_attention(query[start:start + num_queries], keys, values, key_slots_of_span, mask, 0.125)
+        assert torch.equal(out[start:start + num_queries], expected)
+    bad = [torch.arange(2040, 2056)] + slots[1:]  # a decoding span's slot past the pool
+    with pytest.raises(RuntimeError, match="key_rows must index"):
+        ops().spans_attention(query, keys, values, starts, lengths, bad, [torch.ones(1, 1, 1, 16, dtype=torch.bool)]
+                              + masks[1:], 0.125, out)
