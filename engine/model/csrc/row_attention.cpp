@@ -259,14 +259,20 @@ Call prepare(const RowAttentionArgs& a) {
   return c;
 }
 
+// The pool decoding spans read (keys, values [slots, K, d]), checked once per call: float32, alike, the head
+// dimension contiguous, HEADS query heads a multiple of its K.
+void check_decode_pool(const torch::Tensor& keys, const torch::Tensor& values, int64_t heads) {
+  TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && values.scalar_type() == torch::kFloat32 && keys.stride(2) == 1 &&
+                  keys.strides() == values.strides() && keys.sizes() == values.sizes() && heads % keys.size(1) == 0,
+              "span_attention: float32 keys and values alike, query heads a multiple of kv heads");
+}
+
 // A decoding span as the call row_attention_all would prepare from span_attention's views of it (fused_ops.cpp
-// span_args): its query as [1, K, G, d], the pool as [1, K, slots, d], its output OUT's own rows.
+// span_args): its query as [1, K, G, d], the pool as [1, K, slots, d] (`check_decode_pool`), its output OUT's own
+// rows.
 Call decode_call(const DecodeSpan& span, const torch::Tensor& keys, const torch::Tensor& values, int64_t heads,
                  double scaling) {
   const int64_t K = keys.size(1), d = keys.size(2), S = keys.size(0);
-  TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && values.scalar_type() == torch::kFloat32 && keys.stride(2) == 1 &&
-                  keys.strides() == values.strides() && keys.sizes() == values.sizes() && heads % K == 0,
-              "span_attention: float32 keys and values alike, query heads a multiple of kv heads");
   for (int64_t j = 0; j < span.L; ++j) {
     TORCH_CHECK(span.key_slots[j] >= 0 && span.key_slots[j] < S, "key_rows must index k's rows");
   }
@@ -299,6 +305,7 @@ std::vector<torch::Tensor> row_attention_all(const std::vector<RowAttentionArgs>
       current_row_isa() == RowIsa::avx512 ? row_avx512::attend_group : row_avx2::attend_group;
   std::vector<Call> calls;
   for (const auto& a : args) calls.push_back(prepare(a));
+  if (!decoding.empty()) check_decode_pool(*keys, *values, heads);
   for (const auto& span : decoding) calls.push_back(decode_call(span, *keys, *values, heads, scaling));
   int64_t queries = 0, padded = LANES;
   for (const auto& c : calls) {
