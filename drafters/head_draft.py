@@ -252,6 +252,8 @@ class HeadDrafter(ModelDrafter):
         drafted: dict[str, list[int]] = {req.request_id: [] for req in drafting}
         probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req in drafting}
         self._siblings, self._confidence, self._trees = {}, {}, {}
+        if not drafting:  # a resting head's step
+            return drafted, probs
         for req in drafting:
             self._states[req.request_id].scores = []
         chains, states = zip(*map(self._catch_up, drafting)) if drafting else ((), ())

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 from drafters.base import Draft
 from drafters.tree import depths
@@ -70,6 +71,15 @@ DRAFTS_TRUSTED = 16
 PROBE_REQUESTS = 4
 EXPLORE_SHARE = 0.02  # of the step time, spent on one-token drafts right after the planner turned drafting off
 MIN_EXPLORE_SHARE = 0.002  # ... and after it kept it off through many probes
+
+
+class OffDecision(NamedTuple):
+    """The planner's decision to keep drafting off (NEVER or OFF) for a batch, with what its probes are priced by."""
+
+    decision: str
+    step_seconds: float  # the batch's predicted step without drafting
+    probe_seconds: float  # what a probe is budgeted at (`_probe_price`)
+    selective: bool  # the model knows its tokens' acceptance and the batch is greedy
 
 
 def best_draft_depth(
@@ -119,7 +129,7 @@ class ModelDraftBudget:
         self._sampling = False  # ... or a probe or an exploring round: it drafts for a sample of the batch
         self._sampled: set[str] = set()  # the requests the last such round drafted for
         self._round_saving = 0.0  # the seconds a round the planner chose to draft is expected to save a request
-        self._off: tuple[tuple, str, int] | None = None  # (batch, NEVER or OFF, steps it still holds) decided last
+        self._off: tuple[tuple, OffDecision, int] | None = None  # (batch, the decision, steps it still holds) last
         # this round's (seconds a yielded token is worth, the learnt acceptance of a token after the first) where the
         # planner chose to draft with a model that knows its acceptance; None: its chains are not cut short
         self._round_prices: tuple[float, float] | None = None
@@ -210,12 +220,12 @@ class ModelDraftBudget:
         self._round_prices, self._sampling = None, False
         if self.target_seconds is None or self.draft_seconds is None or not reqs:
             return max_tokens, False
-        batch = len(reqs)
-        rest_tokens, rest_expected = self._rest(beside)
-        step_seconds = self._step_seconds(batch, rest_tokens, self.draft_overhead_seconds)
-        selective = knows_acceptance and not any(req.sampled for req in reqs)
-        decision = self._kept_off(reqs, beside)
-        if decision is None:
+        off = self._kept_off(reqs, beside)
+        if off is None:
+            batch = len(reqs)
+            rest_tokens, rest_expected = self._rest(beside)
+            step_seconds = self._step_seconds(batch, rest_tokens, self.draft_overhead_seconds)
+            selective = knows_acceptance and not any(req.sampled for req in reqs)
             decision, depth = self._decide(reqs, max_tokens, source, rest_tokens, rest_expected, step_seconds,
                                            selective)
             if decision in (DRAFT, EXPLORE):
@@ -226,20 +236,26 @@ class ModelDraftBudget:
                 if selective:
                     self._round_prices = self._prices(reqs, source, step_seconds(0), rest_expected)
                 return depth, True
-            self._off = (_batch_key(reqs, beside), decision, KEEP_OFF_STEPS)
-        if decision == NEVER:
+            off = OffDecision(decision, step_seconds(0), self._probe_price(batch, selective), selective)
+            self._off = (_batch_key(reqs, beside), off, KEEP_OFF_STEPS)
+        if off.decision == NEVER:
             return 0, False
-        sample = min(batch, PROBE_REQUESTS)
-        probe = max(self._drafting_seconds(1, sample), self.probe_seconds)
-        if selective:  # its probe drafts until it has fresh drafts, each round expected to lose what its gain lacks
-            probe = max(self.probe_seconds, -(-DRAFTS_TRUSTED // sample) * sample / batch * self.selective_loss)
-        depth = self._probe_depth(step_seconds(0), probe)
+        depth = self._probe_depth(off.step_seconds, off.probe_seconds)
         if depth:
             # the probe's outcome changes the estimates: decide afresh after it
             self._off, self._probing, self._sampling = None, True, True
-            if selective:  # its estimates are as old as the off decision: it drafts until it has fresh ones
+            if off.selective:  # its estimates are as old as the off decision: it drafts until it has fresh ones
                 self.recent_drafts.clear()
         return depth, False
+
+    def _probe_price(self, batch: int, selective: bool) -> float:
+        """The seconds a probe of BATCH requests is budgeted at: what the last probe took where that is more than a
+        round of one token; a probe of a model that knows its acceptance drafts until it has fresh drafts, each round
+        expected to lose what its gain lacks."""
+        sample = min(batch, PROBE_REQUESTS)
+        if selective:
+            return max(self.probe_seconds, -(-DRAFTS_TRUSTED // sample) * sample / batch * self.selective_loss)
+        return max(self._drafting_seconds(1, sample), self.probe_seconds)
 
     def _prices(self, reqs: list[Request], source: str, step_seconds: float, rest_expected: float) -> tuple:
         """(the seconds a token the step yields is worth, the learnt acceptance of a drafted token given its parent's
@@ -309,9 +325,10 @@ class ModelDraftBudget:
         kept = len(self.recent_drafts)
         return batch * gain / kept * token_seconds, forwards / kept * self._drafting_seconds(1, batch)
 
-    def _kept_off(self, reqs: list[Request], beside: Sequence[tuple[Request, Draft]]) -> str | None:
+    def _kept_off(self, reqs: list[Request], beside: Sequence[tuple[Request, Draft]]) -> OffDecision | None:
         """The off decision last made for this very batch, while it holds (KEEP_OFF_STEPS steps, no probe since);
-        else None."""
+        else None. Nothing it rests on changes while it holds (a probe or a measured round ends it), so a step it
+        holds for prices nothing again."""
         if self._off is None:
             return None
         key, decision, steps_left = self._off

@@ -218,6 +218,7 @@ class PackedModelRunner:
             if hidden_rows:
                 self._check_hidden_layers(capture.hidden_layers)
                 packed.hidden_layers, packed.hidden_index = capture.hidden_layers, self._tensor(hidden_rows)
+                packed.hidden_every_row = hidden_rows == list(range(len(packed.write_slots)))
         for layer, head in capture.attention_heads:
             packed.capture_heads.setdefault(layer, []).append(head)
         if packed.capture_heads:

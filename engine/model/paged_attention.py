@@ -163,19 +163,28 @@ class PackedBatch:
     captured_attention: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     hidden_layers: tuple[int, ...] = ()  # capture the residual stream after each of these many decoder layers
     hidden_index: torch.Tensor | None = None  # [n] packed indices whose hidden states are kept
-    captured_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer count -> [n, hidden_size]
+    hidden_every_row: bool = False  # ... and they are every packed row, in order (a decode step's, a prompt chunk's)
+    # [n, hidden_size * capture layers] float32 on the host: the kept rows, each layer's columns in the order asked
+    captured_hidden: torch.Tensor | None = None
+    _hidden_columns: tuple[torch.Tensor, ...] = ()  # its columns of each capture layer
 
     def keep_hidden(self, num_layers_done: int, hidden: torch.Tensor) -> None:
         """Keep the asked rows of HIDDEN [total, hidden_size], the residual stream after NUM_LAYERS_DONE layers, if
-        that is a capture layer."""
-        if self.hidden_index is not None and num_layers_done in self.hidden_layers:
-            self.captured_hidden[num_layers_done] = hidden.index_select(0, self.hidden_index).float().cpu()
+        that is a capture layer: copied into their columns of the one host buffer the layers share (a step that
+        keeps every row copies HIDDEN as it is; no per-layer tensors to join afterwards)."""
+        if self.hidden_index is None or num_layers_done not in self.hidden_layers:
+            return
+        rows = hidden if self.hidden_every_row else hidden.index_select(0, self.hidden_index)
+        if self.captured_hidden is None:
+            self.captured_hidden = torch.empty(len(self.hidden_index), hidden.shape[1] * len(self.hidden_layers))
+            self._hidden_columns = self.captured_hidden.chunk(len(self.hidden_layers), dim=1)
+        for layer, columns in zip(self.hidden_layers, self._hidden_columns):
+            if layer == num_layers_done:
+                columns.copy_(rows)
 
     def hidden_states(self) -> torch.Tensor | None:
-        """[n, hidden_size * capture layers] the kept rows, the layers concatenated in the order asked."""
-        if self.hidden_index is None:
-            return None
-        return torch.cat([self.captured_hidden[layer] for layer in self.hidden_layers], dim=-1)
+        """[n, hidden_size * capture layers] the kept rows, the layers side by side in the order asked."""
+        return self.captured_hidden if self.hidden_index is not None else None
 
 
 def _head_major(layer_pool: torch.Tensor) -> bool:

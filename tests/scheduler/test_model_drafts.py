@@ -163,6 +163,23 @@ def test_an_off_decision_holds_for_its_batch_until_a_probe_or_its_steps_run_out(
     assert len(estimates) == decided + 2  # a probe's outcome moves the estimates: the step after it decides afresh
 
 
+@pytest.mark.parametrize("copying_beside", [False, True])  # off, then never (the copies leave no room to gain)
+def test_a_step_an_off_decision_holds_for_prices_nothing(copying_beside):
+    # the latency models, the rest of the batch's verification plan and the probe's price are what the decision
+    # rested on, unchanged while it holds: a resting model's step only counts towards its next probe
+    model_drafts, blocks = budget(planned=True, rate=0.05)
+    priced = []
+    target = model_drafts.target_seconds
+    model_drafts.target_seconds = lambda num_tokens: priced.append(num_tokens) or target(num_tokens)
+    a = decoding_request("a", 6, blocks)
+    beside = [(decoding_request("c", 6, blocks), Draft([7, 8], "copyspec"))] if copying_beside else []
+    assert model_drafts.reserve([a], 5, "draft", beside)["a"] == 0
+    decided, steps_off = len(priced), model_drafts.steps_off
+    assert [model_drafts.reserve([a], 5, "draft", beside)["a"] for _ in range(KEEP_OFF_STEPS)] == [0] * KEEP_OFF_STEPS
+    assert decided and len(priced) == decided
+    assert model_drafts.steps_off == (0 if copying_beside else steps_off + KEEP_OFF_STEPS)
+
+
 def test_a_draft_that_would_not_pay_even_if_always_accepted_is_never_probed():
     # a draft forward costs a target forward: no acceptance makes drafting pay, so measuring it would only cost time
     model_drafts, blocks = budget(planned=True, rate=0.99, draft=linear(0.001, 0.1))

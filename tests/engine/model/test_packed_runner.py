@@ -206,6 +206,27 @@ def test_captures_return_the_hidden_states_and_attention_rows_of_a_plain_forward
     torch.testing.assert_close(sibling[:, 9], expected[:, 8], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("every_row", [True, False])
+def test_several_capture_layers_come_side_by_side_in_the_order_asked(models, every_row):
+    # every packed row kept (a decode or prompt step: the rows copied as they are) or some (their rows picked)
+    reference, runner = models
+    blocks = KVBlockManager(num_blocks=32, block_size=BLOCK_SIZE)
+    first, second = [1, 5, 9, 13], [7, 3, 22]
+    items = [chain_item(ids, 0, blocks.grow(name, len(ids)), BLOCK_SIZE) for name, ids in (("a", first), ("b", second))]
+    items[0].hidden_rows, items[1].hidden_rows = [0, 1, 2, 3], [0, 1, 2] if every_row else [1]
+    out = runner.execute(ForwardBatch(items, CaptureSpec(hidden_layers=(2, 1))))
+    for item in items:
+        item.hidden_rows = list(range(item.num_tokens))
+    alone = {layer: runner.execute(ForwardBatch(items, CaptureSpec(hidden_layers=(layer,)))).hidden for layer in (1, 2)}
+    with torch.inference_mode():  # after the first layer (the last's hidden state is transformers' final-normed one)
+        for ids, kept in zip((first, second), alone[1]):
+            plain = reference(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[1][0]
+            torch.testing.assert_close(kept, plain, rtol=1e-4, atol=1e-5)
+    expected = [torch.cat([two, one], dim=-1) for two, one in zip(alone[2], alone[1])]
+    assert torch.equal(out.hidden[0], expected[0])
+    assert torch.equal(out.hidden[1], expected[1] if every_row else expected[1][1:2])
+
+
 def test_a_capture_of_a_layer_the_model_lacks_is_refused_whenever_it_is_asked(models):
     _, runner = models
     blocks = KVBlockManager(num_blocks=32, block_size=BLOCK_SIZE)
