@@ -4,8 +4,10 @@ Modes, one in-process engine each, all loaded up front: `none` (plain decoding);
 drafts k tokens every step, all verified); `sd-planner` (at most 5, the goodput planner decides how many); `sv` (the
 same with the companion's estimates: run `specserve calibrate sv` first; its report, if written to
 OUT/calibration.json, goes into results.json); `copyspec` and `copyspec+draft` (CopySpec, and CopySpec falling back to
-the draft model). Every mode answers MT-Bench turn 1; the copy modes also answer MT-Redundant turn 2 after `none`'s
-greedy turn-1 answer, where copyspec+draft is compared with copyspec.
+the draft model); `none-control` (plain decoding again, in an engine of its own built last: what two engines doing
+the same work differ by in one process, the noise floor of every × none ratio beside it; two plain engines differed
+by 0.3-1.8 % at B = 1). Every mode answers MT-Bench turn 1; the copy modes also answer MT-Redundant turn 2 after
+`none`'s greedy turn-1 answer, where copyspec+draft is compared with copyspec.
 
 A batch of B is B requests submitted at once (continuous batching, no HTTP), timed to its last token. Each batch size
 runs rounds on the next B questions until --min-requests were answered, every mode taking its turn within a round (the
@@ -43,6 +45,7 @@ MODES = {  # mode -> (drafter, goodput planner, drafted tokens, companion)
     "sv": ("draft", True, 5, True),
     "copyspec": ("copyspec", True, 5, False),
     "copyspec+draft": ("copyspec+draft", True, 5, False),
+    "none-control": ("none", True, 5, False),
 }
 RUNS = [(mode, "mt-bench") for mode in MODES] + [("copyspec", "mt-redundant"), ("copyspec+draft", "mt-redundant")]
 DEFAULT_DRAFT, DEFAULT_COMPANION = "early-exit:29", "early-exit:24"  # see the results' README section
