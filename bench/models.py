@@ -10,11 +10,12 @@ by 0.3-1.8 % at B = 1). Every mode answers MT-Bench turn 1; the copy modes also 
 `none`'s greedy turn-1 answer, where copyspec+draft is compared with copyspec.
 
 A batch of B is B requests submitted at once (continuous batching, no HTTP), timed to its last token. Each batch size
-runs rounds on the next B questions until --min-requests were answered, every mode taking its turn within a round (the
-order reversed every other round) so the machine's drift hits all alike; a row gives the totals over its rounds and its
-ratio to each round's own `none` batch. Sessions are off, so no round inherits a cached prefix or drafter state. Greedy
-rows say whether every output equals `none`'s (near-ties as in bench/exactness.py); sampled rows (temperature 0.7) are
-seeded by question, so plain decoding and point-mass drafts sample the same tokens (engine/verifier.py).
+runs rounds on the next B questions until --min-requests were answered (two rounds at least), every mode taking its
+turn within a round (the order reversed every other round) so the machine's drift hits all alike; a row gives the
+totals over its rounds and its ratio to each round's own `none` batch. Sessions are off, so no round inherits a
+cached prefix or drafter state. Greedy rows say whether every output equals `none`'s (near-ties as in
+bench/exactness.py); sampled rows (temperature 0.7) are seeded by question, so plain decoding and point-mass drafts
+sample the same tokens (engine/verifier.py).
 """
 from __future__ import annotations
 
@@ -112,8 +113,13 @@ def totals(batches: list[dict]) -> dict:
     return total
 
 
+MIN_ROUNDS = 2  # a round's modes run in turn, the order reversed the next round: two balance what drifts meanwhile
+
+
 def rounds(batch: int, min_requests: int) -> int:
-    return max(1, math.ceil(min_requests / batch))
+    """Rounds of BATCH requests until MIN_REQUESTS were answered, MIN_ROUNDS at least (with one, the mode that ran last
+    took every drift of the round: at B = 64, a second plain engine read 0.91x `none` from last place)."""
+    return max(MIN_ROUNDS, math.ceil(min_requests / batch))
 
 
 def wave(num_questions: int, round_index: int, batch: int) -> list[int]:
@@ -121,12 +127,19 @@ def wave(num_questions: int, round_index: int, batch: int) -> list[int]:
     return [(round_index * batch + i) % num_questions for i in range(batch)]
 
 
-def question_prompts(args, tokenizer, baseline: Engine) -> dict[str, list[list[int]]]:
-    """MT-Bench turn 1, and MT-Redundant turn 2 after `none`'s greedy turn-1 answer."""
+def question_prompts(args, tokenizer, engines: dict[str, Engine]) -> dict[str, list[list[int]]]:
+    """MT-Bench turn 1, and MT-Redundant turn 2 after `none`'s greedy turn-1 answer. Every other engine answers the
+    same turn-1 batch too, unmeasured: the batch is the most the run holds at once, so each engine's KV pool has
+    then been touched as far as any round reaches (the OS backs a pool's pages at first touch, engine/model/
+    paged_attention.py). Warmed by it alone, `none` measured a second plain engine at 0.91x at B = 64."""
     bench = [turn_prompts(tokenizer, q, None) for q in load_questions("mt-bench", args.data_dir)]
     needed = max(batch * rounds(batch, args.min_requests) for batch in args.concurrency)
     redundant = load_questions("mt-redundant", args.data_dir)[:needed]
-    first = run_batch(baseline, [turn_prompts(tokenizer, q, None) for q in redundant], greedy(args))["outputs"]
+    first_turns = [turn_prompts(tokenizer, q, None) for q in redundant]
+    first = run_batch(engines["none"], first_turns, greedy(args))["outputs"]
+    for mode, engine in engines.items():
+        if mode != "none":
+            run_batch(engine, first_turns, greedy(args))
     answers = [tokenizer.decode(a, skip_special_tokens=True) for a in first]
     return {"mt-bench": bench, "mt-redundant": [turn_prompts(tokenizer, q, [a]) for q, a in zip(redundant, answers)]}
 
@@ -140,7 +153,7 @@ def run_models_benchmark(args: argparse.Namespace, config, tokenizer, out_dir: P
     modes = args.modes or tuple(MODES)
     runs = [(mode, questions) for mode, questions in RUNS if mode in modes]
     engines = {mode: mode_engine(args, config, mode) for mode in modes}
-    prompts = question_prompts(args, tokenizer, engines["none"])
+    prompts = question_prompts(args, tokenizer, engines)
     freeze_start_up_objects()  # as the engine process does
     rows = []
     for level, batch in enumerate(args.concurrency):
